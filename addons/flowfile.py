@@ -1,0 +1,167 @@
+"""Flow files: the msgpack record stream the proxy appends and reconstruct/ reads.
+
+This module is the one place that writes or reads the format (specified in docs/flow-format.md).
+It runs inside the proxy, so it depends on the standard library and msgpack only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import msgpack
+
+FORMAT_VERSION = 1
+SUFFIX = ".flows"
+MAX_RECORD_BYTES = 1 << 31  # a single exchange may carry a long SSE stream; refuse absurd sizes only
+
+
+def pack(record: dict[str, Any]) -> bytes:
+    """Serialise one record; bytes stay bytes (msgpack bin), str stays str."""
+    return msgpack.packb(record, use_bin_type=True)
+
+
+@dataclass
+class FlowWriter:
+    """Appends records to size-rotated files named after the proxy instance and its start time.
+
+    Each record is flushed to the OS as soon as it is written, so killing the proxy loses at most
+    the exchange in flight; fsync runs at most every `fsync_interval` seconds, never per record.
+    """
+
+    directory: Path
+    instance: str
+    max_bytes: int = 256 << 20
+    fsync_interval: float = 1.0
+    started: float = field(default_factory=time.time)
+    _file: BinaryIO | None = field(default=None, init=False, repr=False)
+    _file_seq: int = field(default=0, init=False)
+    _size: int = field(default=0, init=False)
+    _last_fsync: float = field(default=0.0, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    paths: list[Path] = field(default_factory=list, init=False)
+
+    def write(self, record: dict[str, Any]) -> None:
+        data = pack(record)
+        with self._lock:
+            if self._file is None or self._size + len(data) > self.max_bytes:
+                self._rotate()
+            assert self._file is not None
+            self._file.write(data)
+            self._file.flush()
+            self._size += len(data)
+            now = time.monotonic()
+            if now - self._last_fsync >= self.fsync_interval:
+                os.fsync(self._file.fileno())
+                self._last_fsync = now
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_file()
+
+    @property
+    def current_path(self) -> Path | None:
+        return self.paths[-1] if self.paths else None
+
+    def _rotate(self) -> None:
+        self._close_file()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._file_seq += 1
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.started))
+        path = self.directory / f"openforge-{self.instance}-{stamp}-{self._file_seq:04d}{SUFFIX}"
+        self._file = open(path, "ab")
+        header = pack(
+            {
+                "type": "header",
+                "v": FORMAT_VERSION,
+                "proxy": self.instance,
+                "started": self.started,
+                "file_seq": self._file_seq,
+                "created": time.time(),
+            }
+        )
+        self._file.write(header)
+        self._file.flush()
+        self._size = len(header)
+        self.paths.append(path)
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+
+
+@dataclass
+class FlowFile:
+    """One flow file opened for reading: iterate `records()`, then look at `torn_tail` / `error`."""
+
+    path: Path
+    header: dict[str, Any] | None = None
+    file_id: str = ""
+    n_records: int = 0
+    n_bytes: int = 0
+    torn_tail: bool = False  # the last record was cut short (kill -9 mid-write): skipped
+    error: str | None = None  # the file stops being readable at some offset (corruption)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Yield exchange and reward records in file order, streaming (bounded memory)."""
+        self.n_bytes = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            unpacker = msgpack.Unpacker(
+                f, raw=False, strict_map_key=False, max_buffer_size=MAX_RECORD_BYTES
+            )
+            try:
+                for obj in unpacker:
+                    if not isinstance(obj, dict) or "type" not in obj:
+                        self.error = f"not a flow record at offset {unpacker.tell()}"
+                        return
+                    if obj["type"] == "header":
+                        if self.header is None:
+                            self._set_header(obj)
+                        continue
+                    if self.header is None:
+                        self.error = "no header record: not an OpenForge flow file"
+                        return
+                    self.n_records += 1
+                    yield obj
+            except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
+                self.error = f"corrupt data after byte {unpacker.tell()}: {e}"
+                return
+            if unpacker.tell() < self.n_bytes:
+                self.torn_tail = True
+            if self.header is None and self.error is None:
+                self.error = "empty or unreadable: no header record"
+
+    def _set_header(self, header: dict[str, Any]) -> None:
+        if header.get("v") != FORMAT_VERSION:
+            raise UnsupportedVersion(
+                f"{self.path}: flow format version {header.get('v')!r}, this reader knows {FORMAT_VERSION}"
+            )
+        self.header = header
+        self.file_id = hashlib.sha256(pack(header)).hexdigest()[:32]
+
+
+class UnsupportedVersion(Exception):
+    """A flow file written by a newer (or unknown) format version."""
+
+
+def open_flow_file(path: str | os.PathLike[str]) -> FlowFile:
+    return FlowFile(Path(path))
+
+
+def expand_paths(paths: list[str | os.PathLike[str]]) -> list[Path]:
+    """Files as given, directories expanded to their flow files (sorted, so ingestion order is stable)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(sorted(p.rglob(f"*{SUFFIX}")))
+        else:
+            out.append(p)
+    return out

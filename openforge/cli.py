@@ -1,0 +1,26 @@
+"""The `openforge` command: one subcommand per pipeline step (capture, reconstruct, train, ...)."""
+
+from __future__ import annotations
+
+import typer
+
+from openforge.commands import demo, engine, flows, preflight, proxy, reconstruct, replay, stats, train
+
+app = typer.Typer(
+    help=(
+        "OpenForge: record what real agent toolchains send to your RL inference engine, turn it into "
+        "token-exact training samples, and train on them.\n\n"
+        "Pipeline: `openforge proxy` (mitmdump -s addons/openforge.py) -> flow files -> "
+        "`openforge reconstruct` -> DuckDB -> `openforge train`."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+for module in (proxy, preflight, flows, reconstruct, stats, train, engine, replay, demo):
+    module.register(app)
+
+
+if __name__ == "__main__":
+    app()
