@@ -104,3 +104,24 @@ CREATE TABLE IF NOT EXISTS call_images (
     call_id VARCHAR NOT NULL,
     sha256  VARCHAR NOT NULL
 );
+
+-- Added in 1 (compatible): the per-call token ids and conversation keys reconstruct rebuilds episodes
+-- from when a later run adds calls or rewards to them. The trainer never needs to read it.
+CREATE TABLE IF NOT EXISTS call_tokens (
+    call_id             VARCHAR PRIMARY KEY,
+    episode_id          VARCHAR NOT NULL,
+    linked_by           VARCHAR NOT NULL,  -- recorded (episode id in the flow) | conversation
+    t_start             DOUBLE,
+    seq                 BIGINT,
+    token_source        VARCHAR NOT NULL,  -- engine | retokenized | mixed (engine completion, rendered prompt)
+    prompt_ids          INTEGER[] NOT NULL,
+    completion_ids      INTEGER[] NOT NULL,
+    completion_logprobs FLOAT[],           -- aligned with completion_ids; NULL if the engine gave none
+    conv_hashes         VARCHAR[] NOT NULL, -- loose hash of each conversation prefix (tools, then messages)
+    conv_end            VARCHAR NOT NULL,   -- loose hash of messages + completion
+    strict_hashes       VARCHAR[] NOT NULL, -- the same without normalisation (ids, argument bytes, reasoning)
+    strict_end          VARCHAR NOT NULL,
+    messages            JSON,               -- canonical conversation (chat-template shape)
+    tools               JSON,
+    completion          JSON                -- canonical assistant message the call produced
+);

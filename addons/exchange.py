@@ -1,0 +1,146 @@
+"""One proxied call in flight: what the client sent, what went upstream, every chunk back, and its record.
+
+The stream callback lives here because it is the hottest code in the proxy: per network read it stores
+the chunk with its arrival time and, only when needed, rewrites it. It never raises: mitmproxy would
+silently corrupt the client's stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from addons import profiles, translate, wire
+
+
+class Exchange:
+    __slots__ = (
+        "id", "seq", "proxy", "t_start", "t_first_byte", "t_end", "episode", "episode_source", "role",
+        "toolchain", "protocol", "model", "upstream_model", "engine_profile", "client_request",
+        "upstream_request", "injected", "translated", "client_body", "chunks", "client_chunks", "streamed",
+        "rewriter", "translator", "error", "path",
+    )
+
+    def __init__(self, seq: int, proxy: str, t_start: float, protocol: str, path: str) -> None:
+        self.id = uuid.uuid4().hex
+        self.seq = seq
+        self.proxy = proxy
+        self.t_start = t_start
+        self.t_first_byte: float | None = None
+        self.t_end: float | None = None
+        self.episode: str | None = None
+        self.episode_source: str | None = None
+        self.role = ""
+        self.toolchain: str | None = None
+        self.protocol = protocol
+        self.path = path
+        self.model: str | None = None
+        self.upstream_model: str | None = None
+        self.engine_profile = "generic"
+        self.client_request: dict[str, Any] = {}
+        self.upstream_request: dict[str, Any] | None = None
+        self.injected: list[str] = []
+        self.translated: dict[str, Any] | None = None
+        self.client_body: dict[str, Any] | None = None  # the client's parsed request, kept when translating
+        self.chunks: list[list[Any]] = []
+        self.client_chunks: list[list[Any]] | None = None
+        self.streamed = False
+        self.rewriter: profiles.SseStripper | None = None
+        self.translator: Any = None
+        self.error: str | None = None
+
+    # -- streaming -----------------------------------------------------------------------------------
+    def on_chunk(self, data: bytes) -> bytes | list[bytes]:
+        """mitmproxy's stream callable: called per network read, then once with b"" at the end."""
+        try:
+            now = time.time()
+            if data:
+                self.chunks.append([now, data])
+            if self.translator is not None:
+                out = self.translator.feed(data) if data else self.translator.finish()
+                if out:
+                    self.client_chunks.append([now, out])  # type: ignore[union-attr]
+            elif self.rewriter is not None:
+                out = self.rewriter.feed(data)
+            else:
+                out = data
+        except Exception as e:  # noqa: BLE001 - a raise here would corrupt the client's stream
+            out = self._give_up(data, e)
+        # Never hand mitmproxy b"" mid-stream: with chunked encoding that ends the client's response.
+        return out if out else []
+
+    def _give_up(self, data: bytes, e: Exception) -> bytes:
+        self.error = f"stream rewrite failed, rest passed through unchanged: {type(e).__name__}: {e}"
+        if self.translator is not None:
+            body = translate.error_body(self.translated["from"], 502, f"OpenForge translation failed: {e}")  # type: ignore[index]
+            event = b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+            self.client_chunks.append([time.time(), event])  # type: ignore[union-attr]
+            self.translator = _Swallow()
+            return event
+        rewriter, self.rewriter = self.rewriter, None
+        return (rewriter.drain() if rewriter is not None else b"") + data
+
+    # -- the record --------------------------------------------------------------------------------------
+    def record(self, response: dict[str, Any] | None, client_response: dict[str, Any] | None,
+               complete: bool, has_token_ids: bool) -> dict[str, Any]:
+        return {
+            "type": "exchange",
+            "id": self.id,
+            "proxy": self.proxy,
+            "seq": self.seq,
+            "t_start": self.t_start,
+            "t_first_byte": self.t_first_byte,
+            "t_end": self.t_end,
+            "complete": complete,
+            "episode": self.episode,
+            "episode_source": self.episode_source,
+            "role": self.role,
+            "toolchain": self.toolchain,
+            "protocol": self.protocol,
+            "model": self.model,
+            "upstream_model": self.upstream_model,
+            "engine_profile": self.engine_profile,
+            "client_request": self.client_request,
+            "upstream_request": self.upstream_request,
+            "response": response,
+            "client_response": client_response,
+            "injected": self.injected,
+            "translated": self.translated,
+            "has_token_ids": has_token_ids,
+            "error": self.error,
+        }
+
+
+class _Swallow:
+    """After a failed translation the client already got an error event; drop the rest of the stream."""
+
+    def feed(self, data: bytes) -> bytes:
+        return b""
+
+    def finish(self) -> bytes:
+        return b""
+
+
+def request_map(method: str, url: str, headers: Any, body: bytes | None) -> dict[str, Any]:
+    return {"method": method, "url": url, "headers": wire.masked_headers(headers.items(multi=True)),
+            "body": body}
+
+
+def body_has_token_ids(body: bytes | None) -> bool:
+    if not body or (b"token_ids" not in body and b'"id"' not in body):
+        return False
+    try:
+        return profiles.has_token_ids(json.loads(body))
+    except ValueError:
+        return False
+
+
+def stream_has_token_ids(chunks: list[list[Any]]) -> bool:
+    """Scan a finished SSE stream (off the per-chunk path) for an event that carries token ids."""
+    for line in b"".join(c[1] for c in chunks).split(b"\n"):
+        if line.startswith(b"data:") and (b"token_ids" in line or b'"logprobs"' in line):
+            if body_has_token_ids(line[5:].strip()):
+                return True
+    return False

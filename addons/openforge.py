@@ -1,0 +1,493 @@
+"""The OpenForge mitmproxy addon: `mitmdump -s addons/openforge.py --set openforge_upstream_url=...`.
+
+Routes every LLM call a toolchain makes to the RL inference engine, asks the engine for the exact token
+ids and logprobs, hides those extras from the toolchain, and records each exchange to a flow file
+(docs/flow-format.md). Options and behaviour: docs/addon.md.
+
+Fail closed: once a request is recognised as an LLM call, any failure in here answers the client with an
+error; it never goes upstream with the client's credentials or unrecorded.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# mitmdump -s puts this file's folder on sys.path, not the repo root: make `addons.*` importable.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import asyncio  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import secrets  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+import weakref  # noqa: E402
+from typing import Any  # noqa: E402
+from urllib.parse import unquote  # noqa: E402
+
+from mitmproxy import ctx, exceptions, http  # noqa: E402
+from mitmproxy.proxy.mode_specs import ReverseMode  # noqa: E402
+
+from addons import flowfile, options, profiles, translate, wire  # noqa: E402
+from addons.exchange import Exchange, body_has_token_ids, request_map, stream_has_token_ids  # noqa: E402
+
+logger = logging.getLogger("openforge")
+META = "openforge"
+UPSTREAM_OK_TTL = 2.0  # seconds a successful upstream answer vouches for reachability (skips the probe)
+
+
+class OpenForge:
+    def __init__(self) -> None:
+        self.settings: options.Settings | None = None
+        self.writer: flowfile.FlowWriter | None = None
+        self.instance = secrets.token_hex(4)
+        self.started = time.time()
+        self._seq = itertools.count(1)
+        self._inflight: dict[str, Exchange] = {}
+        self._profile: str | None = None
+        self._detecting: asyncio.Future[str | None] | None = None
+        self._upstream_ok_at = float("-inf")
+        self._proxy_users: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._running = False
+
+    # -- options -------------------------------------------------------------------------------------------
+    def load(self, loader: Any) -> None:
+        for spec in options.SPECS:
+            loader.add_option(spec.name, str, spec.default(), spec.help)
+
+    def configure(self, updated: set[str]) -> None:
+        if not updated & options.NAMES:
+            return
+        try:
+            new = options.parse({name: getattr(ctx.options, name) for name in options.NAMES})
+        except options.BadOption as e:
+            if self._running:
+                raise exceptions.OptionsError(str(e)) from None
+            # At startup mitmproxy would merely disable this script and keep proxying: stop instead.
+            # mitmdump exits with status 1 on an error logged during startup; `running` backs that up.
+            self.settings = None
+            logger.error(f"OpenForge cannot start: {e}")
+            return
+        if ctx.options.connection_strategy != "lazy":
+            # Eager connections reach the client's original host before we can reroute (or answer a 502).
+            ctx.options.connection_strategy = "lazy"
+        self._apply(new)
+
+    def _apply(self, new: options.Settings) -> None:
+        old = self.settings
+        if old is None or (old.flow_dir, old.flow_max_bytes, old.fsync_interval) != (
+            new.flow_dir, new.flow_max_bytes, new.fsync_interval
+        ):
+            if self.writer is not None:
+                self.writer.close()
+            self.writer = flowfile.FlowWriter(new.flow_dir, self.instance, new.flow_max_bytes,
+                                              new.fsync_interval, started=self.started)
+        if old is None or (old.upstream_url, old.upstream_key, old.engine_profile) != (
+            new.upstream_url, new.upstream_key, new.engine_profile
+        ):
+            self._profile = None if new.engine_profile == "auto" else new.engine_profile
+            self._upstream_ok_at = float("-inf")
+        self.settings = new
+        key = wire.mask(new.upstream_key) if new.upstream_key else "none"
+        logger.info(f"OpenForge {self.instance}: upstream {new.upstream_display} (key {key}), "
+                    f"profile {new.engine_profile}, translate {new.translate}, flows -> {new.flow_dir}")
+
+    def running(self) -> None:
+        self._running = True
+        if self.settings is None:
+            ctx.master.shutdown()
+        elif self._profile is None:
+            self._start_detection(self.settings)
+
+    def done(self) -> None:
+        """Shutdown: write the exchanges still in flight as incomplete, then close the file."""
+        for ex in list(self._inflight.values()):
+            ex.error = ex.error or "proxy shut down while the exchange was in flight"
+            self._write(ex, None, complete=False)
+        if self.writer is not None:
+            self.writer.close()
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        """Forward mode: remember the proxy-auth user of a CONNECT tunnel as the episode of its requests."""
+        user = wire.proxy_auth_user(flow.request.headers.get("proxy-authorization"))
+        if user:
+            self._proxy_users[flow.client_conn] = user
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response or flow.error or not flow.live:
+            return
+        s = self.settings
+        if s is None:
+            flow.response = http.Response.make(503, b"OpenForge proxy is not configured (see its log)\n")
+            return
+        ex: Exchange | None = None
+        protocol = "chat"
+        try:
+            ex = self._begin(flow, s)
+            if ex is None or ex.protocol == "other":
+                return
+            protocol = ex.protocol
+            problem = await self._upstream_problem(s)
+            if problem:
+                self._answer(flow, ex, 502, f"OpenForge: upstream {s.upstream_display} unreachable: {problem}",
+                             "upstream_unreachable")
+                return
+            ex.engine_profile = await self._engine_profile(s)
+            self._prepare(flow, ex, s)
+        except translate.TranslationError as e:
+            self._answer(flow, ex, e.status, e.message, "invalid_request_error")
+        except Exception as e:  # noqa: BLE001 - fail closed: answer, never forward half-processed
+            logger.exception(f"OpenForge: cannot process {flow.request.method} {flow.request.path}")
+            if ex is None:
+                flow.response = http.Response.make(
+                    500, wire.error_body(protocol, 500, f"OpenForge proxy error: {e}", "proxy_error"),
+                    {"content-type": "application/json"})
+            else:
+                self._answer(flow, ex, 500, f"OpenForge proxy error: {type(e).__name__}: {e}", "proxy_error")
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        ex: Exchange | None = flow.metadata.get(META)
+        if ex is None or flow.response is None:
+            return
+        ex.t_first_byte = flow.response.timestamp_start or time.time()
+        if ex.upstream_request is not None:
+            self._upstream_ok_at = time.monotonic()
+            self._hide_key(flow)
+        if ex.protocol == "other" or not flow.response.headers.get("content-type", "").startswith(
+            "text/event-stream"
+        ):
+            return
+        ex.streamed = True
+        if ex.translated is not None and flow.response.status_code == 200:
+            ex.translator = translate.stream_translator(ex.translated["from"], ex.client_body or {})
+            ex.client_chunks = []
+        elif ex.injected and ex.protocol in ("chat", "completions"):
+            ex.rewriter = profiles.SseStripper(ex.injected)
+        if ex.translator is not None or ex.rewriter is not None:
+            flow.response.headers.pop("content-length", None)
+        flow.response.stream = ex.on_chunk
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        ex: Exchange | None = flow.metadata.pop(META, None)
+        if ex is None or flow.response is None:
+            return
+        try:
+            self._finish(flow, ex)
+        except Exception as e:  # noqa: BLE001 - still write what we have
+            logger.exception("OpenForge: cannot finish the exchange record")
+            ex.error = ex.error or f"proxy error while finishing: {type(e).__name__}: {e}"
+            self._write(ex, self._response_map(flow, None, ex), complete=False)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        ex: Exchange | None = flow.metadata.pop(META, None)
+        if ex is None:
+            return
+        self._hide_key(flow)
+        ex.error = ex.error or (flow.error.msg if flow.error else "unknown error")
+        response = self._response_map(flow, None, ex) if flow.response is not None else None
+        self._write(ex, response, complete=False)
+        self._log(flow, ex, "ERR")
+
+    # -- request side ----------------------------------------------------------------------------------------
+    def _begin(self, flow: http.HTTPFlow, s: options.Settings) -> Exchange | None:
+        """Classify the request; for LLM calls strip the client's credentials and point it at the engine."""
+        req = flow.request
+        path, _, query = req.path.partition("?")
+        if path.startswith(wire.REWARD_PREFIX):
+            self._reward(flow, path)
+            return None
+        direct = self._is_direct(flow)
+        vendor = not direct and req.pretty_host.lower() in s.vendor_hosts
+        episode = role = None
+        if direct:
+            path, episode, role = wire.strip_prefixes(path)
+        kind = wire.classify(req.method, path) if (direct or vendor) else None
+        if kind is None:
+            ex = self._new(flow, "other", path) if s.record_other else None
+            if vendor and s.block_other:
+                flow.response = http.Response.make(
+                    403, b'{"error": "blocked by OpenForge (openforge_block_other)"}',
+                    {"content-type": "application/json"})
+                if ex is not None:
+                    self._write(ex, self._response_map(flow, raw=flow.response.raw_content), complete=True)
+                return None
+            if direct:  # the engine's other endpoints (/health, /tokenize, ...): reverse-proxied
+                self._to_upstream(flow, s, s.upstream_prefix + path + (f"?{query}" if query else ""))
+            if ex is not None:
+                self._track(flow, ex)
+            return ex
+        protocol, canonical = kind
+        ex = self._new(flow, protocol, path)
+        ex.role = role or req.headers.get("x-openforge-role") or s.default_role
+        ex.episode, ex.episode_source = self._episode(flow, episode)
+        ex.toolchain = wire.toolchain(req.headers.get("user-agent"))
+        self._track(flow, ex)
+        self._to_upstream(flow, s, s.upstream_prefix + canonical + (f"?{query}" if query else ""))
+        return ex
+
+    def _new(self, flow: http.HTTPFlow, protocol: str, path: str) -> Exchange:
+        req = flow.request
+        ex = Exchange(next(self._seq), self.instance, req.timestamp_start, protocol, path)
+        ex.role = self.settings.default_role if self.settings else ""
+        ex.client_request = request_map(req.method, req.pretty_url, req.headers, req.raw_content)
+        return ex
+
+    def _track(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        flow.metadata[META] = ex
+        self._inflight[ex.id] = ex
+
+    def _is_direct(self, flow: http.HTTPFlow) -> bool:
+        """Addressed to the proxy itself (reverse mode, or a base URL pointing here) rather than proxied."""
+        if isinstance(flow.client_conn.proxy_mode, ReverseMode):
+            return True
+        sockname = flow.client_conn.sockname
+        return bool(sockname) and flow.request.port == sockname[1]
+
+    def _episode(self, flow: http.HTTPFlow, from_path: str | None) -> tuple[str | None, str | None]:
+        if from_path:
+            return from_path, "path"
+        headers = flow.request.headers
+        if value := headers.get("x-openforge-episode"):
+            return value, "header"
+        auth = flow.metadata.get("proxyauth")
+        user = auth[0] if auth else self._proxy_users.get(flow.client_conn) or wire.proxy_auth_user(
+            headers.get("proxy-authorization"))
+        if user:
+            return user, "proxy_auth"
+        for name in ("x-claude-code-session-id", "session-id", "session_id"):
+            if value := headers.get(name):
+                return value, "session_header"
+        return None, None
+
+    def _to_upstream(self, flow: http.HTTPFlow, s: options.Settings, path: str) -> None:
+        req = flow.request
+        for name in wire.DROP_UPSTREAM:
+            req.headers.pop(name, None)
+        if s.upstream_key:
+            req.headers["authorization"] = f"Bearer {s.upstream_key}"
+        req.scheme, req.host, req.port = s.upstream_scheme, s.upstream_host, s.upstream_port
+        req.host_header = f"{s.upstream_host}:{s.upstream_port}"
+        req.path = path
+
+    def _prepare(self, flow: http.HTTPFlow, ex: Exchange, s: options.Settings) -> None:
+        """Routing, translation and token-id injection on the body; then freeze what goes upstream."""
+        req = flow.request
+        req.headers["accept-encoding"] = "identity"  # we read and rewrite the answer
+        body = _json_object(req.content) if req.method == "POST" else None
+        if body is not None:
+            if isinstance(body.get("model"), str):
+                ex.model = body["model"]
+            engine_protocol = ex.protocol
+            client_protocol = "anthropic" if ex.protocol == "anthropic_count_tokens" else ex.protocol
+            if translate.needs_translation(client_protocol, ex.engine_profile, s.translate):
+                if ex.protocol == "anthropic_count_tokens":
+                    chat, dropped = translate.count_tokens_request(body), []
+                else:
+                    chat, dropped = translate.request_to_chat(ex.protocol, body)
+                ex.translated = {"from": ex.protocol, "to": "chat", "dropped": dropped}
+                ex.client_body = body
+                body, engine_protocol = chat, "chat"
+                req.path = s.upstream_prefix + wire.CANONICAL["chat"]
+                if s.upstream_key and "x-api-key" in req.headers:
+                    del req.headers["x-api-key"]
+            elif ex.protocol in wire.ANTHROPIC_PROTOCOLS and s.upstream_key:
+                req.headers["x-api-key"] = s.upstream_key
+            route = s.route(ex.role)
+            if route is not None:
+                if isinstance(body.get("model"), str):
+                    body["model"] = route.upstream_model(body["model"])
+                for key, value in route.sampling.items():
+                    if body.get(key) != value:
+                        body[key] = value
+                        ex.injected.append(key)
+            ex.upstream_model = body.get("model") if isinstance(body.get("model"), str) else None
+            ex.injected += profiles.inject(ex.engine_profile, engine_protocol, body)
+            if ex.injected or ex.translated or route is not None:
+                req.content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        ex.upstream_request = request_map(req.method, req.url, req.headers, req.raw_content)
+
+    def _reward(self, flow: http.HTTPFlow, path: str) -> None:
+        """POST /openforge/v1/episodes/<episode>/reward: recorded here, never forwarded."""
+        episode, _, rest = path[len(wire.REWARD_PREFIX):].partition("/")
+        episode = unquote(episode)
+        status, answer = 200, {}
+        body = _json_object(flow.request.content or b"")
+        if rest != "reward" or not episode:
+            status, answer = 404, {"error": "use POST /openforge/v1/episodes/<episode>/reward"}
+        elif flow.request.method != "POST":
+            status, answer = 405, {"error": "use POST"}
+        elif body is None or isinstance(body.get("reward"), bool) or not isinstance(body.get("reward"), (int, float)):
+            status, answer = 400, {"error": 'body must be a JSON object with a numeric "reward"'}
+        elif body.get("metadata") is not None and not isinstance(body.get("metadata"), dict):
+            status, answer = 400, {"error": '"metadata" must be a JSON object'}
+        else:
+            record = {"type": "reward", "id": uuid.uuid4().hex, "proxy": self.instance,
+                      "seq": next(self._seq), "t": time.time(), "episode": episode,
+                      "reward": float(body["reward"]),
+                      "task_id": None if body.get("task_id") is None else str(body["task_id"]),
+                      "metadata": body.get("metadata")}
+            self._write_record(record)
+            answer = {"ok": True, "id": record["id"], "episode": episode}
+            logger.info(f"reward episode={episode} reward={record['reward']:g}")
+        flow.response = http.Response.make(status, json.dumps(answer).encode(),
+                                           {"content-type": "application/json"})
+
+    # -- engine --------------------------------------------------------------------------------------------
+    async def _upstream_problem(self, s: options.Settings) -> str | None:
+        """None if the engine accepts connections; probed only when no answer arrived recently."""
+        if time.monotonic() - self._upstream_ok_at < UPSTREAM_OK_TTL:
+            return None
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(s.upstream_host, s.upstream_port), 3.0)
+        except asyncio.TimeoutError:
+            return "connect timed out"
+        except OSError as e:
+            return e.strerror or str(e)
+        writer.close()
+        self._upstream_ok_at = time.monotonic()
+        return None
+
+    def _start_detection(self, s: options.Settings) -> asyncio.Future[str | None]:
+        if self._detecting is None or self._detecting.done():
+            url = f"{s.upstream_scheme}://{s.upstream_host}:{s.upstream_port}{s.upstream_prefix}/v1/models"
+            self._detecting = asyncio.ensure_future(asyncio.to_thread(profiles.detect, url, s.upstream_key))
+        return self._detecting
+
+    async def _engine_profile(self, s: options.Settings) -> str:
+        if self._profile is not None:
+            return self._profile
+        found = await asyncio.shield(self._start_detection(s))
+        if found is not None and self._profile is None and s is self.settings:
+            self._profile = found
+            logger.info(f"OpenForge: engine profile detected: {found}")
+        return found or "generic"
+
+    # -- response side -------------------------------------------------------------------------------------
+    def _finish(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        resp = flow.response
+        assert resp is not None
+        client_response = None
+        if ex.streamed:
+            response = self._response_map(flow, None, ex)
+            has_ids = (ex.rewriter is not None and ex.rewriter.saw_ids) or stream_has_token_ids(ex.chunks)
+            if ex.client_chunks is not None:
+                client_response = {**response, "chunks": ex.client_chunks}
+        else:
+            raw = resp.raw_content
+            response = self._response_map(flow, raw=raw)
+            has_ids = body_has_token_ids(resp.content) if ex.protocol != "other" else False
+            if ex.translated is not None:
+                self._translate_body(flow, ex)
+                client_response = self._response_map(flow, raw=resp.raw_content)
+            elif ex.injected and resp.status_code == 200:
+                obj = _json_object(resp.content)
+                if obj is not None:
+                    profiles.strip(obj, ex.injected)
+                    resp.content = json.dumps(obj, ensure_ascii=False).encode()
+        self._write(ex, response, complete=True, client_response=client_response, has_ids=has_ids)
+        self._log(flow, ex, resp.status_code)
+
+    def _translate_body(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        resp = flow.response
+        assert resp is not None and ex.translated is not None
+        source = ex.translated["from"]
+        client = "anthropic" if source == "anthropic_count_tokens" else source
+        engine = _json_object(resp.content)
+        try:
+            if resp.status_code >= 400 or engine is None:
+                message = _error_message(engine) or resp.get_text(strict=False) or f"engine answered {resp.status_code}"
+                out = translate.error_body(client, resp.status_code if resp.status_code >= 400 else 502, message)
+                if resp.status_code < 400:
+                    resp.status_code = 502
+            elif source == "anthropic_count_tokens":
+                out = translate.count_tokens_response(engine)
+            else:
+                out = translate.response_from_chat(source, engine, ex.client_body or {})
+        except translate.TranslationError as e:
+            out, resp.status_code = translate.error_body(client, e.status, e.message), e.status
+            ex.error = e.message
+        resp.content = json.dumps(out, ensure_ascii=False).encode()
+        resp.headers["content-type"] = "application/json"
+
+    def _answer(self, flow: http.HTTPFlow, ex: Exchange | None, status: int, message: str, kind: str) -> None:
+        """Answer the client from the proxy in its own protocol's error shape, and record it."""
+        protocol = ex.protocol if ex is not None else "chat"
+        if ex is not None and ex.translated is not None:
+            protocol = ex.translated["from"]
+        body = wire.error_body(protocol, status, message, kind)
+        flow.response = http.Response.make(status, body, {"content-type": "application/json"})
+        if ex is not None:
+            flow.metadata.pop(META, None)
+            ex.error = message
+            ex.upstream_request = None
+            ex.t_end = time.time()
+            self._write(ex, self._response_map(flow, raw=body), complete=True)
+            self._log(flow, ex, status)
+
+    @staticmethod
+    def _response_map(flow: http.HTTPFlow, raw: bytes | None, ex: Exchange | None = None) -> dict[str, Any]:
+        resp = flow.response
+        assert resp is not None
+        streamed = ex is not None and ex.streamed
+        return {"status": resp.status_code, "headers": wire.masked_headers(resp.headers.items(multi=True)),
+                "body": None if streamed else raw, "chunks": ex.chunks if streamed else None,
+                "streamed": streamed}
+
+    def _hide_key(self, flow: http.HTTPFlow) -> None:
+        """The request has gone upstream: mask our key in the flow so no other addon or log shows it."""
+        for name in ("authorization", "x-api-key"):
+            if name in flow.request.headers:
+                flow.request.headers[name] = wire.mask(flow.request.headers[name])
+
+    # -- output --------------------------------------------------------------------------------------------
+    def _write(self, ex: Exchange, response: dict[str, Any] | None, complete: bool,
+               client_response: dict[str, Any] | None = None, has_ids: bool = False) -> None:
+        self._inflight.pop(ex.id, None)
+        if ex.t_end is None:
+            ex.t_end = time.time()
+        self._write_record(ex.record(response, client_response, complete, has_ids))
+
+    def _write_record(self, record: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        try:
+            self.writer.write(record)
+        except OSError as e:
+            # Traffic must not continue unrecorded: stop the proxy loudly.
+            logger.error(f"OpenForge: cannot write flow file in {self.writer.directory}: {e}; stopping")
+            ctx.master.shutdown()
+
+    def _log(self, flow: http.HTTPFlow, ex: Exchange, status: int | str) -> None:
+        req_bytes = len(ex.client_request.get("body") or b"")
+        resp_bytes = sum(len(c[1]) for c in ex.chunks) if ex.streamed else (
+            len(flow.response.raw_content or b"") if flow.response is not None else 0)
+        latency = ((ex.t_end or time.time()) - ex.t_start) * 1000
+        logger.info(f"{flow.request.method} {ex.path} {ex.protocol} model={ex.model}->{ex.upstream_model} "
+                    f"role={ex.role} episode={ex.episode} {req_bytes}B->{resp_bytes}B {status} {latency:.0f}ms")
+
+
+def _json_object(data: bytes | None) -> dict[str, Any] | None:
+    if not data:
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _error_message(obj: dict[str, Any] | None) -> str | None:
+    if not obj:
+        return None
+    err = obj.get("error")
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err or obj.get("message") or obj.get("detail") or "") or None
+
+
+addons = [OpenForge()]

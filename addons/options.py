@@ -1,0 +1,240 @@
+"""The addon's options: names, environment defaults, and one parse step that turns them into `Settings`.
+
+Every option is declared as a string and parsed here, not by mitmproxy: mitmproxy silently disables a
+`-s` script whose typed option fails to parse, and the proxy would keep forwarding unrecorded traffic.
+Parsing ourselves lets the addon stop mitmdump with a sentence the user understands instead.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+PROFILES = ("auto", "vllm", "sglang", "llamacpp", "generic")
+TRANSLATE = ("never", "auto", "always")
+DEFAULT_VENDOR_HOSTS = (
+    "api.openai.com",
+    "api.anthropic.com",
+    "chatgpt.com",
+    "dashscope.aliyuncs.com",
+    "dashscope-intl.aliyuncs.com",
+    "openrouter.ai",
+)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    name: str
+    builtin: str
+    help: str
+    secret: bool = False
+
+    @property
+    def env(self) -> str:
+        return "OPENFORGE_" + self.name.removeprefix("openforge_").upper()
+
+    def default(self) -> str:
+        """Secrets are not copied into mitmproxy's option defaults (they would show in `--options`)."""
+        return "" if self.secret else os.environ.get(self.env, self.builtin)
+
+
+SPECS = (
+    OptionSpec("openforge_upstream_url", "", "Base URL of the inference engine, e.g. http://127.0.0.1:8000 "
+               "(a trailing /v1 is accepted). Required."),
+    OptionSpec("openforge_upstream_key", "", "API key sent to the engine (Authorization: Bearer). Clients' own "
+               "keys are always removed. Default: $OPENFORGE_UPSTREAM_KEY; never logged in full.", secret=True),
+    OptionSpec("openforge_flow_dir", "flows", "Directory the flow files are written to."),
+    OptionSpec("openforge_engine_profile", "auto", "How to ask the engine for token ids and logprobs: "
+               "auto, vllm, sglang, llamacpp or generic (auto: detect from GET /v1/models)."),
+    OptionSpec("openforge_models", "", "Model routing per role: inline JSON or the path of a .json/.toml file, "
+               'e.g. {"agent": {"models": {"claude-*": "Qwen/Qwen3-8B"}, "sampling": {"temperature": 1.0}}}.'),
+    OptionSpec("openforge_default_role", "agent", "Role of calls that name none (X-OpenForge-Role header or "
+               "/r/<role>/ path prefix)."),
+    OptionSpec("openforge_translate", "auto", "Send Anthropic Messages and OpenAI Responses calls to the engine "
+               "as Chat Completions to get token ids: never, auto (when the engine profile returns token "
+               "ids on Chat only) or always."),
+    OptionSpec("openforge_record_other", "false", "Also record requests that are not LLM calls (true/false)."),
+    OptionSpec("openforge_block_other", "false", "Answer 403 to non-LLM requests to LLM vendor hosts "
+               "(telemetry in forward mode) instead of passing them through (true/false)."),
+    OptionSpec("openforge_flow_max_mb", "256", "Rotate to a new flow file when the current one would exceed "
+               "this size (MB)."),
+    OptionSpec("openforge_fsync_interval", "1.0", "Seconds between fsyncs of the flow file (records are "
+               "flushed to the OS as each exchange ends)."),
+    OptionSpec("openforge_vendor_hosts", ",".join(DEFAULT_VENDOR_HOSTS), "Comma-separated hosts whose LLM "
+               "calls are rewritten to the engine in forward mode (HTTPS_PROXY)."),
+)
+NAMES = frozenset(s.name for s in SPECS)
+
+
+class BadOption(ValueError):
+    """An option value that cannot work; the message is shown to the user as is."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """One role's routing: model name patterns -> engine model id, plus forced sampling parameters."""
+
+    models: dict[str, str] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def upstream_model(self, model: str) -> str:
+        if model in self.models:
+            return self.models[model]
+        for pattern, target in self.models.items():
+            if pattern != "*" and fnmatch.fnmatchcase(model, pattern):
+                return target
+        return self.models.get("*", model)
+
+
+@dataclass(frozen=True)
+class Settings:
+    upstream_url: str
+    upstream_scheme: str
+    upstream_host: str
+    upstream_port: int
+    upstream_prefix: str  # base path without a trailing /v1, prepended to every upstream path
+    upstream_key: str
+    flow_dir: Path
+    engine_profile: str
+    routes: dict[str, Route]
+    default_role: str
+    translate: str
+    record_other: bool
+    block_other: bool
+    flow_max_bytes: int
+    fsync_interval: float
+    vendor_hosts: frozenset[str]
+
+    def route(self, role: str) -> Route | None:
+        return self.routes.get(role) or self.routes.get("*")
+
+    @property
+    def upstream_display(self) -> str:
+        """The upstream URL without any user:password part, for logs and error messages."""
+        return f"{self.upstream_scheme}://{self.upstream_host}:{self.upstream_port}{self.upstream_prefix}"
+
+
+def parse(values: dict[str, str]) -> Settings:
+    """Validate raw option strings (option value, else environment, else built-in default)."""
+
+    def get(name: str) -> str:
+        spec = next(s for s in SPECS if s.name == name)
+        value = values.get(name) or ""
+        if not value and spec.secret:
+            value = os.environ.get(spec.env, "")
+        return value.strip() if not spec.secret else value
+
+    url = get("openforge_upstream_url")
+    if not url:
+        raise BadOption("openforge_upstream_url is not set: give the engine's base URL with "
+                        "--set openforge_upstream_url=http://HOST:PORT or OPENFORGE_UPSTREAM_URL")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadOption(f"openforge_upstream_url must be an http(s) URL such as http://127.0.0.1:8000, "
+                        f"got {url!r}")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:
+        raise BadOption(f"openforge_upstream_url has a bad port: {url!r}") from e
+    prefix = parts.path.rstrip("/")
+    prefix = prefix.removesuffix("/v1")
+
+    profile = get("openforge_engine_profile").lower()
+    if profile not in PROFILES:
+        raise BadOption(f"openforge_engine_profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    translate = get("openforge_translate").lower()
+    if translate not in TRANSLATE:
+        raise BadOption(f"openforge_translate must be one of {', '.join(TRANSLATE)}, got {translate!r}")
+    role = get("openforge_default_role")
+    if not role:
+        raise BadOption("openforge_default_role must not be empty")
+    vendor = frozenset(h.strip().lower() for h in get("openforge_vendor_hosts").split(",") if h.strip())
+    return Settings(
+        upstream_url=url,
+        upstream_scheme=parts.scheme,
+        upstream_host=parts.hostname,
+        upstream_port=port,
+        upstream_prefix=prefix,
+        upstream_key=get("openforge_upstream_key"),
+        flow_dir=_flow_dir(get("openforge_flow_dir")),
+        engine_profile=profile,
+        routes=parse_models(get("openforge_models")),
+        default_role=role,
+        translate=translate,
+        record_other=_bool("openforge_record_other", get("openforge_record_other")),
+        block_other=_bool("openforge_block_other", get("openforge_block_other")),
+        flow_max_bytes=int(_number("openforge_flow_max_mb", get("openforge_flow_max_mb"), minimum=1) * (1 << 20)),
+        fsync_interval=_number("openforge_fsync_interval", get("openforge_fsync_interval"), minimum=0),
+        vendor_hosts=vendor,
+    )
+
+
+def parse_models(value: str) -> dict[str, Route]:
+    """Routing table from inline JSON or a JSON/TOML file: {role: {"models": {...}, "sampling": {...}}}."""
+    if not value:
+        return {}
+    source = "openforge_models"
+    if value.lstrip().startswith("{"):
+        text = value
+    else:
+        path = Path(value).expanduser()
+        source = f"openforge_models file {path}"
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise BadOption(f"cannot read {source}: {e.strerror}") from e
+    try:
+        data = tomllib.loads(text) if source.endswith(".toml") else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise BadOption(f"{source} is not valid {'TOML' if source.endswith('.toml') else 'JSON'}: {e}") from e
+    if not isinstance(data, dict):
+        raise BadOption(f"{source} must map roles to routing tables, got {type(data).__name__}")
+    routes: dict[str, Route] = {}
+    for role, table in data.items():
+        if not isinstance(table, dict) or set(table) - {"models", "sampling"}:
+            raise BadOption(f"{source}: role {role!r} must be a table with only 'models' and 'sampling' keys")
+        models, sampling = table.get("models", {}), table.get("sampling", {})
+        if not isinstance(models, dict) or not all(isinstance(v, str) for v in models.values()):
+            raise BadOption(f"{source}: {role}.models must map model names (or patterns) to engine model ids")
+        if not isinstance(sampling, dict):
+            raise BadOption(f"{source}: {role}.sampling must be a table of request fields, e.g. temperature")
+        routes[str(role)] = Route(dict(models), dict(sampling))
+    return routes
+
+
+def _bool(name: str, value: str) -> bool:
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise BadOption(f"{name} must be true or false, got {value!r}")
+
+
+def _number(name: str, value: str, minimum: float) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise BadOption(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number) or number < minimum:
+        raise BadOption(f"{name} must be a number >= {minimum:g}, got {value!r}")
+    return number
+
+
+def _flow_dir(value: str) -> Path:
+    path = Path(value or "flows").expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadOption(f"openforge_flow_dir {str(path)!r} cannot be created: {e.strerror}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise BadOption(f"openforge_flow_dir {str(path)!r} is not writable")
+    return path

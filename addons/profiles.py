@@ -1,0 +1,139 @@
+"""Engine profiles: how to ask each engine for token ids and logprobs, and how to hide them from the client.
+
+vLLM takes `return_token_ids` and `logprobs`; llama.cpp's server puts the token `id` inside each logprobs
+entry; SGLang takes both fields (recent versions); a generic OpenAI-compatible server gives logprobs only.
+What we add to a request, we remove from the answer, so the toolchain sees the response it asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+ENGINES = ("vllm", "sglang", "llamacpp", "generic")
+# Engines that return token ids on Chat Completions (not on Anthropic Messages / Responses).
+TOKEN_IDS_ON_CHAT = frozenset({"vllm", "sglang", "llamacpp"})
+
+
+def detect(models_url: str, key: str, timeout: float = 3.0) -> str | None:
+    """Profile from the engine's GET /v1/models (`owned_by`) or `Server` header; None if unreachable."""
+    req = urllib.request.Request(models_url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            server = (resp.headers.get("server") or "").lower()
+            data = json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        server, data = (e.headers.get("server") or "").lower(), {}
+    except (OSError, ValueError):
+        return None
+    owners = {str(m.get("owned_by", "")).lower() for m in data.get("data") or [] if isinstance(m, dict)}
+    for name in ("vllm", "sglang", "llamacpp"):
+        if name in owners:
+            return name
+    if "llama.cpp" in server or "llamacpp" in owners or "llama.cpp" in owners:
+        return "llamacpp"
+    return "generic"
+
+
+def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
+    """Ask for token ids / logprobs on a Chat or Completions body in place; return the fields injected."""
+    injected: list[str] = []
+    if protocol not in ("chat", "completions"):
+        return injected
+    if profile in ("vllm", "sglang") and not body.get("return_token_ids"):
+        body["return_token_ids"] = True
+        injected.append("return_token_ids")
+    if protocol == "chat":
+        if not body.get("logprobs"):
+            body["logprobs"] = True
+            injected.append("logprobs")
+    elif body.get("logprobs") is None:
+        body["logprobs"] = 1
+        injected.append("logprobs")
+    return injected
+
+
+def has_token_ids(obj: Any) -> bool:
+    """Whether an engine answer (a JSON object or SSE chunk) carries token ids."""
+    if not isinstance(obj, dict):
+        return False
+    if obj.get("prompt_token_ids") or obj.get("token_ids"):
+        return True
+    for choice in obj.get("choices") or ():
+        if isinstance(choice, dict):
+            if choice.get("token_ids") or choice.get("prompt_token_ids"):
+                return True
+            content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+            if content and isinstance(content[0], dict) and "id" in content[0]:
+                return True
+    return False
+
+
+def strip(obj: Any, injected: list[str]) -> None:
+    """Remove, in place, what the injected fields added to one answer object or stream chunk."""
+    if not isinstance(obj, dict):
+        return
+    ids = "return_token_ids" in injected
+    if ids:
+        obj.pop("prompt_token_ids", None)
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if ids:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+        if "logprobs" in injected and "logprobs" in choice:
+            choice["logprobs"] = None
+
+
+_MARKERS = (b"token_ids", b'"logprobs"')
+
+
+class SseStripper:
+    """Rewrites an SSE byte stream event by event, removing injected fields; holds back partial events.
+
+    Fed each network read; `feed(b"")` flushes whatever is left. Events without any injected field pass
+    through byte for byte; only `data:` lines that carry one are re-encoded.
+    """
+
+    __slots__ = ("injected", "buf", "saw_ids")
+
+    def __init__(self, injected: list[str]) -> None:
+        self.injected = injected
+        self.buf = b""
+        self.saw_ids = False
+
+    def feed(self, data: bytes) -> bytes:
+        if not data:
+            out, self.buf = self.buf, b""
+            return self._rewrite(out) if out else b""
+        buf = self.buf + data if self.buf else data
+        end = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4)
+        if end < 2:  # no complete event yet (a rfind of -1 gives 1 and 3)
+            self.buf = buf
+            return b""
+        self.buf = buf[end:]
+        return self._rewrite(buf[:end])
+
+    def drain(self) -> bytes:
+        """The held-back bytes, unchanged (used when giving up on rewriting)."""
+        out, self.buf = self.buf, b""
+        return out
+
+    def _rewrite(self, block: bytes) -> bytes:
+        if not any(m in block for m in _MARKERS):
+            return block
+        lines = block.split(b"\n")
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data:") or not any(m in line for m in _MARKERS):
+                continue
+            cr = line.endswith(b"\r")
+            payload = line[5:-1] if cr else line[5:]
+            obj = json.loads(payload)
+            if not self.saw_ids and has_token_ids(obj):
+                self.saw_ids = True
+            strip(obj, self.injected)
+            new = b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+            lines[i] = new + b"\r" if cr else new
+        return b"\n".join(lines)

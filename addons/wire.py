@@ -1,0 +1,119 @@
+"""What a request is: protocol by path, episode / role / toolchain, secrets masked, errors in the client's shape.
+
+Pure functions over strings and header lists, so they are cheap on the hot path and easy to test.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Iterable
+from urllib.parse import unquote
+
+SECRET_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie", "set-cookie"})
+# Client credentials never go to the engine; our own control headers neither.
+DROP_UPSTREAM = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie",
+                           "x-openforge-episode", "x-openforge-role"})
+REWARD_PREFIX = "/openforge/v1/episodes/"
+
+# (path suffix, protocol, canonical engine path); longest suffixes first.
+_ENDPOINTS = (
+    ("/messages/count_tokens", "anthropic_count_tokens", "/v1/messages/count_tokens"),
+    ("/chat/completions", "chat", "/v1/chat/completions"),
+    ("/completions", "completions", "/v1/completions"),
+    ("/responses", "responses", "/v1/responses"),
+    ("/messages", "anthropic", "/v1/messages"),
+    ("/models", "models", "/v1/models"),
+)
+CANONICAL = {protocol: path for _, protocol, path in _ENDPOINTS}
+ANTHROPIC_PROTOCOLS = frozenset({"anthropic", "anthropic_count_tokens"})
+
+# User-Agent fragments (lower case) -> toolchain name; first match wins.
+_TOOLCHAINS = (
+    ("claude-cli", "claude-code"),
+    ("claude-code", "claude-code"),
+    ("codex", "codex"),
+    ("qwencode", "qwen-code"),
+    ("qwen-code", "qwen-code"),
+    ("mini-swe-agent", "mini-swe-agent"),
+    ("litellm", "litellm"),
+    ("openai/python", "openai-python"),
+    ("openai/js", "openai-js"),
+    ("anthropic/python", "anthropic-python"),
+    ("anthropic/js", "anthropic-js"),
+    ("curl/", "curl"),
+    ("python-httpx", "httpx"),
+)
+
+
+def classify(method: str, path: str) -> tuple[str, str] | None:
+    """(protocol, canonical engine path) for an LLM endpoint, else None. `path` has no query string."""
+    for suffix, protocol, canonical in _ENDPOINTS:
+        if path.endswith(suffix):
+            if (protocol == "models") != (method == "GET"):
+                return None
+            return protocol, canonical
+    return None
+
+
+def strip_prefixes(path: str) -> tuple[str, str | None, str | None]:
+    """Remove leading `/e/<episode>/` and `/r/<role>/` segments (any order): (path, episode, role)."""
+    episode = role = None
+    while path.startswith(("/e/", "/r/")):
+        kind = path[1]
+        end = path.find("/", 3)
+        value, path = (path[3:], "/") if end < 0 else (path[3:end], path[end:])
+        value = unquote(value)
+        if kind == "e":
+            episode = value or episode
+        else:
+            role = value or role
+    return path, episode, role
+
+
+def proxy_auth_user(value: str | None) -> str | None:
+    """The user name of a `Proxy-Authorization: Basic ...` header, else None."""
+    if not value or not value[:6].lower() == "basic ":
+        return None
+    try:
+        user = base64.b64decode(value[6:].strip(), validate=True).decode("utf-8").split(":", 1)[0]
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return user or None
+
+
+def toolchain(user_agent: str | None) -> str | None:
+    if not user_agent:
+        return None
+    ua = user_agent.lower()
+    for fragment, name in _TOOLCHAINS:
+        if fragment in ua:
+            return name
+    return ua.split("/", 1)[0][:40] or None
+
+
+def mask(value: str) -> str:
+    """`sk-a…wxyz`: first and last 4 characters of a secret (of the token after a `Bearer `-like scheme)."""
+    scheme, sep, token = value.partition(" ")
+    if not sep:
+        scheme, token = "", value
+    else:
+        scheme += " "
+    shown = f"{token[:4]}…{token[-4:]}" if len(token) > 12 else "…"
+    return scheme + shown
+
+
+def masked_headers(items: Iterable[tuple[str, str]]) -> list[list[str]]:
+    return [[k, mask(v) if k.lower() in SECRET_HEADERS else v] for k, v in items]
+
+
+def error_body(protocol: str, status: int, message: str, kind: str) -> bytes:
+    """An error object in the client's own protocol shape (Anthropic or OpenAI)."""
+    if protocol in ANTHROPIC_PROTOCOLS:
+        atype = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 429: "rate_limit_error"}.get(status, "api_error")
+        obj: dict = {"type": "error", "error": {"type": atype, "message": message}}
+    else:
+        obj = {"error": {"message": message, "type": kind, "param": None, "code": kind}}
+    return json.dumps(obj).encode()

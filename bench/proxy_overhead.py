@@ -1,0 +1,408 @@
+"""What the capture proxy costs: the same chat requests and SSE streams direct to an engine, through bare
+`mitmdump`, through `mitmdump -s addons/openforge.py`, and through the LiteLLM proxy when installed.
+
+Why a script and not a test: timings depend on the machine; this prints them side by side from one run,
+with rounds interleaved (path A, B, C, A, B, C, ...) so drift in machine load hits every path alike.
+
+Measured per path: non-streamed requests/s and latency (p50/p99, and added over direct) at 1 and 16
+concurrent clients; SSE time to first event and per-chunk latency (client arrival minus the engine's send
+time stamped into each event); proxy CPU time per request and per chunk; proxy RSS. Then which engine
+fields (token ids, logprobs) reach the client and the flow record through each path.
+
+The engine is tests/support/scripted_engine.py in its own process; the load generator is a minimal asyncio
+HTTP/1.1 client with keep-alive connections (cheaper than httpx, so it disturbs the measurement less).
+
+    .venv/bin/python bench/proxy_overhead.py            # default: ~1-2 minutes on 2 cores
+    .venv/bin/python bench/proxy_overhead.py --scale 0.3 --rounds 2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MITMDUMP = Path(sys.executable).with_name("mitmdump")
+ADDON = ROOT / "addons" / "openforge.py"
+MODEL = "scripted-model"
+MESSAGES = [{"role": "user", "content": "Please list the files in the current working directory now"}]
+ENGINE_T = re.compile(rb'"engine_t": ([0-9.]+)')
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# -- processes -------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode} before listening")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{what} did not listen on {port} within {timeout:.0f} s")
+
+
+def serve_engine(chunk_delay: float) -> None:
+    """Child-process mode: run the scripted engine until stdin closes."""
+    from tests.support.scripted_engine import ScriptedEngine
+
+    with ScriptedEngine(chunk_delay=chunk_delay, record=False, stamp=True) as eng:
+        print(eng.url, flush=True)
+        sys.stdin.read()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime+stime of a process and its live descendants (LiteLLM may fork workers)."""
+    pids, total = {pid}, 0.0
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in pids:
+                pids.add(child)
+                todo.append(child)
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICK
+    return total
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@dataclass
+class Path_:
+    """One way to reach the engine: a name, a base URL, and the proxy process (None when direct)."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen | None = None
+    flow_dir: Path | None = None
+    extra_body: dict = field(default_factory=dict)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_mitmdump(engine: str, tmp: Path, addon: bool) -> Path_:
+    port = free_port()
+    name = "mitmdump+addon" if addon else "mitmdump"
+    tmp.mkdir(parents=True, exist_ok=True)
+    args = [str(MITMDUMP), "--listen-host", "127.0.0.1", "-p", str(port), "--mode", f"reverse:{engine}",
+            "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", f"confdir={tmp / 'mitmconf'}"]
+    flow_dir = None
+    if addon:
+        flow_dir = tmp / "flows"
+        args += ["-s", str(ADDON), "--set", f"openforge_upstream_url={engine}",
+                 "--set", f"openforge_flow_dir={flow_dir}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
+    log = open(tmp / f"{name}.log", "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    wait_port(port, proc, name)
+    return Path_(name, f"http://127.0.0.1:{port}", proc, flow_dir)
+
+
+def find_litellm(explicit: str | None) -> str | None:
+    for candidate in (explicit, os.environ.get("LITELLM_BIN"), str(ROOT / ".venv-litellm" / "bin" / "litellm"),
+                      shutil.which("litellm")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+def start_litellm(binary: str, engine: str, tmp: Path) -> Path_:
+    """LiteLLM proxy, no database, one model forwarding to the same engine as an OpenAI-compatible server."""
+    port = free_port()
+    config = tmp / "litellm.yaml"
+    config.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
+                      f"      model: openai/{MODEL}\n      api_base: {engine}/v1\n      api_key: none\n")
+    log = open(tmp / "litellm.log", "wb")
+    proc = subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    wait_port(port, proc, "litellm", timeout=120)
+    return Path_("litellm", f"http://127.0.0.1:{port}", proc)
+
+
+# -- a minimal HTTP/1.1 client -------------------------------------------------------------------------------
+class Conn:
+    """One keep-alive connection; `post` returns (status, body, [(arrival, event bytes)], t_first_event)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes, stream: bool) -> tuple[int, bytes, list[tuple[float, bytes]]]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        assert self.reader is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer sk-bench-client-key\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        status = int(status_line.split()[1])
+        headers: dict[str, str] = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        events: list[tuple[float, bytes]] = []
+        buf = b""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            data = bytearray()
+            while True:
+                size = int((await self.reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    await self.reader.readline()
+                    break
+                piece = (await self.reader.readexactly(size + 2))[:-2]
+                data += piece
+                if stream:
+                    now = time.time()
+                    buf += piece
+                    *done, buf = buf.split(b"\n\n")
+                    events += [(now, e) for e in done if e]
+            payload = bytes(data)
+        else:
+            payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
+            if stream:
+                now = time.time()
+                events = [(now, e) for e in payload.split(b"\n\n") if e]
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, payload, events
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+@dataclass
+class Phase:
+    latencies: list[float] = field(default_factory=list)  # seconds per request
+    ttfb: list[float] = field(default_factory=list)  # seconds from send to first SSE event
+    chunk_lat: list[float] = field(default_factory=list)  # seconds from engine send to client arrival
+    chunks: int = 0
+    requests: int = 0
+    errors: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+
+
+async def run_phase(path: Path_, n: int, concurrency: int, stream: bool, out: Phase) -> None:
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "stream": stream, **path.extra_body}).encode()
+    todo = iter(range(n))
+
+    async def worker() -> None:
+        conn = Conn(path.url)
+        try:
+            for _ in todo:
+                sent = time.time()
+                try:
+                    status, _, events = await conn.post("/v1/chat/completions", body, stream)
+                except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+                    out.errors += 1
+                    conn.close()
+                    continue
+                end = time.time()
+                if status != 200:
+                    out.errors += 1
+                    continue
+                out.requests += 1
+                out.latencies.append(end - sent)
+                if stream and events:
+                    out.ttfb.append(events[0][0] - sent)
+                    for arrival, event in events:
+                        m = ENGINE_T.search(event)
+                        if m:
+                            out.chunk_lat.append(arrival - float(m.group(1)))
+                            out.chunks += 1
+        finally:
+            conn.close()
+
+    cpu0 = cpu_seconds(path.proc.pid) if path.proc else 0.0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    out.wall += time.perf_counter() - t0
+    out.cpu += (cpu_seconds(path.proc.pid) - cpu0) if path.proc else 0.0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# -- engine fields through each path ---------------------------------------------------------------------------
+def field_check(path: Path_) -> dict[str, str]:
+    """Which of token ids / logprobs the client sees (asking for nothing, then asking) and the record holds."""
+    import httpx
+
+    def seen(body: dict) -> str:
+        text = json.dumps(body)
+        return "+".join(x for x, k in (("ids", '"token_ids"'), ("lp", '"logprobs": {')) if k in text) or "-"
+
+    result: dict[str, str] = {}
+    with httpx.Client(base_url=path.url, timeout=30, trust_env=False) as client:
+        for label, extra in (("plain", {}), ("asked", {"return_token_ids": True, "logprobs": True})):
+            r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **extra})
+            result[label] = seen(r.json()) if r.status_code == 200 else f"HTTP {r.status_code}"
+            chunks = []
+            with client.stream("POST", "/v1/chat/completions",
+                               json={"model": MODEL, "messages": MESSAGES, "stream": True, **extra}) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+            result[label + " (SSE)"] = seen({"c": chunks})
+    result["record"] = "n/a"
+    if path.flow_dir is not None:
+        from addons.flowfile import expand_paths, open_flow_file
+
+        time.sleep(0.5)  # records are flushed as each exchange ends; give the last one a moment
+        recs = [r for f in expand_paths([path.flow_dir]) for r in open_flow_file(f).records()
+                if r.get("type") == "exchange"]
+        last = recs[-4:]
+        raw = b"".join(bytes(r.get("response", {}).get("body") or b"") +
+                       b"".join(bytes(c[1] if isinstance(c, (list, tuple)) else c.get("data", b""))
+                                for c in r.get("response", {}).get("chunks") or []) for r in last)
+        ids = all(r.get("has_token_ids") for r in last)
+        result["record"] = ("ids" if ids else "-") + ("+lp" if b'"logprobs":{' in raw.replace(b" ", b"") else "")
+    return result
+
+
+# -- main ---------------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all paths (default 3)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every request count (default 1.0)")
+    ap.add_argument("--chunk-delay", type=float, default=0.002, help="engine seconds between SSE events")
+    ap.add_argument("--litellm", help="path of a `litellm` executable (default: $LITELLM_BIN, .venv-litellm, PATH)")
+    ap.add_argument("--serve-engine", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_engine:
+        return serve_engine(args.chunk_delay)
+
+    counts = {k: max(4, int(v * args.scale)) for k, v in
+              {"ns1": 150, "ns16": 480, "s1": 30, "s16": 96}.items()}
+    tmp = Path(tempfile.mkdtemp(prefix="openforge-bench-"))
+    engine_proc = subprocess.Popen([sys.executable, __file__, "--serve-engine", "--chunk-delay", str(args.chunk_delay)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    engine = engine_proc.stdout.readline().strip()  # type: ignore[union-attr]
+    paths = [Path_("direct", engine)]
+    try:
+        paths += [start_mitmdump(engine, tmp / "bare", addon=False), start_mitmdump(engine, tmp / "addon", addon=True)]
+        litellm = find_litellm(args.litellm)
+        if litellm:
+            paths.append(start_litellm(litellm, engine, tmp))
+        print(f"engine {engine} (chunk delay {args.chunk_delay * 1000:g} ms); paths: "
+              f"{', '.join(p.name for p in paths)}; LiteLLM: {litellm or 'not installed'}; counts {counts}; "
+              f"{args.rounds} rounds", flush=True)
+        phases = {(p.name, k): Phase() for p in paths for k in counts}
+        for p in paths:  # warm-up: connections, imports, the addon's engine-profile detection
+            asyncio.run(run_phase(p, 8, 2, False, Phase()))
+            asyncio.run(run_phase(p, 4, 2, True, Phase()))
+        for r in range(args.rounds):
+            for kind, n in counts.items():
+                for p in paths[r % len(paths):] + paths[: r % len(paths)]:
+                    conc = 16 if kind.endswith("16") else 1
+                    asyncio.run(run_phase(p, n, conc, kind.startswith("s"), phases[(p.name, kind)]))
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+        rss = {p.name: rss_mb(p.proc.pid) if p.proc else float("nan") for p in paths}
+        fields = {p.name: field_check(p) for p in paths}
+    finally:
+        for p in paths:
+            p.stop()
+        engine_proc.stdin.close()  # type: ignore[union-attr]
+        engine_proc.wait(10)
+    report(paths, phases, rss, fields)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
+    base = {k: phases[("direct", k)] for k in ("ns1", "ns16", "s1", "s16")}
+    print("\nnon-streamed chat: requests/s, latency p50/p99 (ms), added p50 over direct (ms), proxy CPU ms/request")
+    print(f"{'path':<16}{'rps@1':>8}{'p50@1':>8}{'p99@1':>8}{'+p50@1':>8}{'rps@16':>8}{'p50@16':>8}"
+          f"{'p99@16':>8}{'+p50@16':>9}{'cpu/req':>9}{'errors':>7}")
+    for p in paths:
+        a, b = phases[(p.name, "ns1")], phases[(p.name, "ns16")]
+        cpu = (a.cpu + b.cpu) / max(1, a.requests + b.requests) * 1000
+        print(f"{p.name:<16}{a.requests / a.wall:>8.0f}{pct(a.latencies, .5) * 1e3:>8.2f}"
+              f"{pct(a.latencies, .99) * 1e3:>8.2f}{(pct(a.latencies, .5) - pct(base['ns1'].latencies, .5)) * 1e3:>8.2f}"
+              f"{b.requests / b.wall:>8.0f}{pct(b.latencies, .5) * 1e3:>8.2f}{pct(b.latencies, .99) * 1e3:>8.2f}"
+              f"{(pct(b.latencies, .5) - pct(base['ns16'].latencies, .5)) * 1e3:>9.2f}{cpu:>9.2f}"
+              f"{a.errors + b.errors:>7}")
+    print("\nSSE chat streams: time to first event p50 (ms) and added over direct; per-chunk latency "
+          "(engine send -> client) p50/p99 (ms); streams/s; proxy CPU ms/chunk")
+    print(f"{'path':<16}{'ttfb@1':>8}{'+ttfb@1':>8}{'chunk50':>8}{'chunk99':>8}{'ttfb@16':>8}{'chunk50':>8}"
+          f"{'chunk99':>8}{'str/s@16':>9}{'cpu/chk':>9}{'errors':>7}")
+    for p in paths:
+        a, b = phases[(p.name, "s1")], phases[(p.name, "s16")]
+        cpu = (a.cpu + b.cpu) / max(1, a.chunks + b.chunks) * 1000
+        print(f"{p.name:<16}{pct(a.ttfb, .5) * 1e3:>8.2f}{(pct(a.ttfb, .5) - pct(base['s1'].ttfb, .5)) * 1e3:>8.2f}"
+              f"{pct(a.chunk_lat, .5) * 1e3:>8.2f}{pct(a.chunk_lat, .99) * 1e3:>8.2f}{pct(b.ttfb, .5) * 1e3:>8.2f}"
+              f"{pct(b.chunk_lat, .5) * 1e3:>8.2f}{pct(b.chunk_lat, .99) * 1e3:>8.2f}{b.requests / b.wall:>9.1f}"
+              f"{cpu:>9.3f}{a.errors + b.errors:>7}")
+    bare, ours = phases.get(("mitmdump", "ns16")), phases.get(("mitmdump+addon", "ns16"))
+    print("\nproxy RSS after the run (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items() if v == v))
+    if bare and ours and bare.wall and ours.wall:
+        ratio = (ours.requests / ours.wall) / (bare.requests / bare.wall)
+        add1 = pct(phases[("mitmdump+addon", "ns1")].latencies, .5) - pct(phases[("mitmdump", "ns1")].latencies, .5)
+        print(f"addon vs bare mitmdump: throughput x{ratio:.2f} at 16 concurrent, p50 +{add1 * 1e3:.2f} ms at 1")
+    print("\nengine fields seen (ids = token_ids, lp = logprobs; plain = client asked for neither, "
+          "asked = client sent return_token_ids+logprobs; record = what the flow file holds for them)")
+    keys = ["plain", "plain (SSE)", "asked", "asked (SSE)", "record"]
+    print(f"{'path':<16}" + "".join(f"{k:>13}" for k in keys))
+    for p in paths:
+        print(f"{p.name:<16}" + "".join(f"{fields[p.name].get(k, '?'):>13}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""`openforge preflight`: check the engine (reachable, key, model, output, token ids) before a rollout."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("preflight")(preflight)
+
+
+def preflight(
+    upstream: str = typer.Option("", "--upstream", envvar="OPENFORGE_UPSTREAM_URL", show_default=False,
+                                 help="Engine base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine). "
+                                      "Default: $OPENFORGE_UPSTREAM_URL."),
+    key: str = typer.Option("", "--key", envvar="OPENFORGE_UPSTREAM_KEY", show_default=False, show_envvar=False,
+                            help="API key for the engine (sent as Authorization: Bearer). "
+                                 "Default: $OPENFORGE_UPSTREAM_KEY. Shown masked, never in full."),
+    model: Optional[list[str]] = typer.Option(None, "--model", "-m",
+                                              help="Engine model id to try; repeat for several. Default: the "
+                                                   "first model GET /v1/models lists (when no --models)."),
+    models: str = typer.Option("", "--models", envvar="OPENFORGE_MODELS", show_default=False,
+                               help="The proxy's per-role routing (inline JSON or a .json/.toml file, as "
+                                    "openforge_models): every engine model it routes to is tried with that "
+                                    "role's forced sampling parameters. Default: $OPENFORGE_MODELS."),
+    timeout: float = typer.Option(10.0, min=0.1, help="Seconds to wait for each answer."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object (for scripts)."),
+) -> None:
+    """Send one minimal chat request (per model) to the engine and say clearly what is wrong: unreachable,
+    key rejected, unknown model, no `choices`, empty output; then probe which token-id fields come back and
+    which engine profile (vllm / sglang / llamacpp / generic) fits. Exits 1 when any check fails."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from addons.options import BadOption, parse_models
+    from openforge.preflight import Preflight, PreflightError
+
+    try:
+        routes = parse_models(models)
+        checker = Preflight(upstream, key, timeout)
+    except (BadOption, PreflightError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    console = Console(highlight=False)
+    with console.status(f"checking {checker.base} ...", spinner="dots") if not as_json else nullcontext():
+        report = checker.run(list(model or []), routes)
+    if as_json:
+        typer.echo(json.dumps(report.as_dict()))
+    else:
+        console.print(f"[bold]preflight[/bold] {report.upstream}")
+        for f in report.findings:
+            mark = "[red]FAIL[/red]" if not f.ok else ("[yellow]WARN[/yellow]" if f.warn else "[green] OK [/green]")
+            console.print(f"  {mark} {escape(f.check)}: {escape(f.message)}", soft_wrap=True)
+        verdict = "[green]ready[/green]" if report.ok else "[red]not ready[/red]"
+        console.print(f"  => {verdict}" + (f", engine profile: {report.profile}" if report.profile else ""))
+    if not report.ok:
+        raise typer.Exit(1)
+

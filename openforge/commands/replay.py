@@ -1,0 +1,135 @@
+"""`openforge replay serve|drive`: re-run a captured session without an engine, or load-test an engine with it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+replay_app = typer.Typer(
+    help="Answer toolchains from a captured trace (serve), or re-send its calls to an engine (drive).",
+    no_args_is_help=True,
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(replay_app, name="replay")
+
+
+def _load(trace: list[Path]):  # noqa: ANN202 - returns the replay module's exchange list
+    from openforge.replay import ReplayError, load_exchanges
+
+    try:
+        return load_exchanges(trace)
+    except ReplayError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _side(side: str) -> str:
+    if side not in ("client", "engine"):
+        typer.echo("error: --side must be 'client' or 'engine'", err=True)
+        raise typer.Exit(2)
+    return side
+
+
+@replay_app.command("serve")
+def serve(
+    trace: list[Path] = typer.Argument(..., help="Flow files or directories of a captured trace."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8400, help="Port to listen on (0: pick a free one and print it)."),
+    side: str = typer.Option(
+        "client",
+        help="'client': stand in for proxy+engine, point the toolchain here and get what it received. "
+        "'engine': stand in for the engine behind `openforge proxy`, answering the engine's recorded "
+        "responses (with token ids) to the proxy's upstream requests.",
+    ),
+    fast: bool = typer.Option(False, "--fast", help="Send answers as fast as possible instead of at the recorded pace."),
+    speed: float = typer.Option(1.0, help="Pace multiplier (2.0 = twice as fast as recorded); ignored with --fast."),
+) -> None:
+    """Serve a trace: each call is matched to a recorded one by its conversation and answered with the
+    recorded (streamed) response; a call that matches nothing gets an error saying where it diverged."""
+    from openforge.replay import ReplayError, ReplayIndex, ReplayServer
+
+    exchanges = _load(trace)
+    try:
+        index = ReplayIndex.build(exchanges, side=_side(side))  # type: ignore[arg-type]
+    except ReplayError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if speed <= 0:
+        typer.echo("error: --speed must be > 0", err=True)
+        raise typer.Exit(2)
+    try:
+        server = ReplayServer(index, host=host, port=port, speed=None if fast else speed)
+    except OSError as e:
+        typer.echo(f"error: cannot listen on {host}:{port}: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"replaying {len(index)} recorded calls ({side} side) on {server.url}  (Ctrl-C to stop)")
+    try:
+        server.httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.httpd.server_close()
+        typer.echo(f"served {server.served} calls, {len(server.diverged)} diverged")
+        for msg in server.diverged[:20]:
+            typer.echo(f"  {msg}")
+
+
+@replay_app.command("drive")
+def drive(
+    trace: list[Path] = typer.Argument(..., help="Flow files or directories of a captured trace."),
+    upstream: str = typer.Option(..., help="Engine base URL (scheme://host:port); the recorded path is appended."),
+    concurrency: int = typer.Option(8, min=1, help="Requests in flight at once."),
+    side: str = typer.Option(
+        "engine",
+        help="'engine': re-send the proxy's upstream requests (each call on its own). 'client': re-send what "
+        "the toolchain sent, episode by episode in recorded order (e.g. through `openforge proxy`).",
+    ),
+    model: Optional[str] = typer.Option(None, help="Replace the recorded model name (compare another policy)."),
+    api_key: Optional[str] = typer.Option(None, envvar="OPENFORGE_REPLAY_API_KEY", help="Bearer key for the engine (recorded keys are masked)."),
+    timeout: float = typer.Option(300.0, help="Per-request timeout in seconds."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the summary and per-call results as JSON here."),
+) -> None:
+    """Re-send a trace's calls to an engine; print throughput, TTFT / latency percentiles and how far the
+    new completions diverge from the recorded ones (identical fraction, mean common-prefix ratio)."""
+    import asyncio
+    from dataclasses import asdict
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from openforge import replay as rp
+
+    exchanges = _load(trace)
+    side = _side(side)
+    total = rp.count_calls(exchanges, side)  # type: ignore[arg-type]
+    if total == 0:
+        typer.echo(f"error: the trace holds no LLM call with a recorded {side} request", err=True)
+        raise typer.Exit(2)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("driving", total=total)
+        report = asyncio.run(
+            rp.drive(
+                exchanges, upstream, concurrency, side, model, timeout, api_key,  # type: ignore[arg-type]
+                on_done=lambda _r: progress.advance(task),
+            )
+        )
+    summary = report.summary()
+    table = Table(title=f"replay drive -> {upstream}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in summary.items():
+        table.add_row(k, "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v))
+    Console().print(table)
+    errors = [r.error for r in report.results if r.error]
+    for e in sorted(set(errors))[:5]:
+        typer.echo(f"error: {errors.count(e)} calls failed: {e}", err=True)
+    if json_out:
+        json_out.write_text(json.dumps({"summary": summary, "calls": [asdict(r) for r in report.results]}, indent=1))
+    if summary["ok"] == 0:
+        raise typer.Exit(1)

@@ -1,0 +1,34 @@
+"""`openforge stats`: the totals people check first in a reconstruct database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="stats")(stats_command)
+
+
+def stats_command(
+    db: Path = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`."),
+) -> None:
+    """Print episodes, calls, samples, tokens, trainable tokens, merge ratio, branches and skipped records."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not db.is_file():
+        Console(stderr=True).print(f"[red]No database at {db}")
+        raise typer.Exit(2)
+    from reconstruct.stats import collect
+
+    figures = collect(db)
+    table = Table(title=f"OpenForge stats: {db}", show_header=False)
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items()) or "none"
+        elif isinstance(value, float):
+            value = f"{value:.2f}"
+        table.add_row(key.replace("_", " "), str(value))
+    Console().print(table)

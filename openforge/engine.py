@@ -1,0 +1,237 @@
+"""The embedded inference engine: llama.cpp's HTTP server (PyPI `xllamacpp`) on CPU, in a child process.
+
+xllamacpp runs the server inside the Python process that creates it, with native threads that cannot be
+interrupted from Python. Running it in a child process (`python -m openforge.engine ...`) keeps those
+threads out of the caller and makes stopping it a plain SIGTERM, whatever the caller is doing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from openforge.models import default_gguf
+
+# Hermes / Qwen2.5-style ChatML with tools. llama.cpp recognises `<tool_call>` in a template and then
+# parses the model's `<tool_call>{...}</tool_call>` output into OpenAI `tool_calls` (SmolLM2's own GGUF
+# template ignores `tools`). Tool-call arguments are rendered verbatim when they already are a JSON string
+# (what OpenAI clients send back), so llama.cpp and a transformers tokenizer render the same prompt.
+CHATML_TOOLS_TEMPLATE = """\
+{%- set default_system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}
+{%- if messages[0]['role'] == 'system' -%}
+{%- set system_message = messages[0]['content'] -%}
+{%- set loop_messages = messages[1:] -%}
+{%- else -%}
+{%- set system_message = default_system -%}
+{%- set loop_messages = messages -%}
+{%- endif -%}
+{{- '<|im_start|>system\\n' + system_message }}
+{%- if tools %}
+{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' }}{{- tool | tojson }}
+{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for message in loop_messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or loop_messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or loop_messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+TEMPLATE_CHOICES = ("chatml-tools", "gguf")
+
+
+class EngineError(RuntimeError):
+    """The engine could not start (bad model file, port taken, crashed during load)."""
+
+
+def resolve_chat_template(choice: str) -> str | None:
+    """`chatml-tools` -> the built-in tool template, `gguf` -> None (the GGUF's own), else a file's text."""
+    if choice == "chatml-tools":
+        return CHATML_TOOLS_TEMPLATE
+    if choice == "gguf":
+        return None
+    path = Path(choice)
+    if not path.is_file():
+        raise EngineError(f"chat template {choice!r} is neither {' nor '.join(TEMPLATE_CHOICES)} nor a file")
+    return path.read_text()
+
+
+def free_port() -> int:
+    """An ephemeral port on 127.0.0.1 that was free a moment ago (the child binds it right after)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat_template: str | None) -> None:
+    """Run llama.cpp's server in this process until SIGTERM or SIGINT (the child-process entry point)."""
+    import xllamacpp as xlc
+
+    params = xlc.CommonParams()
+    params.model.path = str(gguf)
+    params.port = port
+    params.hostnames = ["127.0.0.1"]
+    params.n_ctx = n_ctx
+    params.n_parallel = n_parallel
+    params.kv_unified = True  # every slot may use the whole context, as the 8k the model was trained for
+    params.cpuparams.n_threads = threads
+    params.cpuparams_batch.n_threads = threads
+    params.use_jinja = True
+    params.ui = False
+    if chat_template is not None:
+        params.chat_template = chat_template
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = xlc.Server(params)
+    while not stop.wait(0.2):
+        pass
+    del server  # joins llama.cpp's loop: the port is released before the process exits
+
+
+class EmbeddedEngine:
+    """A llama.cpp server child process on 127.0.0.1; `with EmbeddedEngine() as eng: eng.url`.
+
+    The child runs in its own process group so a Ctrl-C in a terminal reaches only the caller, which then
+    stops the child deliberately (SIGTERM, then SIGKILL after `stop_timeout`).
+    """
+
+    def __init__(
+        self,
+        gguf: Path | str | None = None,
+        *,
+        port: int = 0,
+        n_ctx: int = 8192,
+        n_parallel: int = 2,
+        threads: int = 2,
+        chat_template: str = "chatml-tools",
+        log_path: Path | str | None = None,
+        ready_timeout: float = 120.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        self.gguf = Path(gguf) if gguf is not None else default_gguf()
+        if not self.gguf.is_file():
+            raise EngineError(f"GGUF file not found: {self.gguf}")
+        resolve_chat_template(chat_template)  # fail early on a bad choice
+        self.port = port or free_port()
+        self.n_ctx, self.n_parallel, self.threads = n_ctx, n_parallel, threads
+        self.chat_template = chat_template
+        self.log_path = Path(log_path) if log_path else None
+        self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "openforge.engine", "--gguf", str(self.gguf), "--port", str(self.port),
+            "--ctx", str(self.n_ctx), "--parallel", str(self.n_parallel), "--threads", str(self.threads),
+            "--chat-template", self.chat_template,
+        ]  # fmt: skip
+
+    def start(self) -> EmbeddedEngine:
+        """Start the child and wait until /health answers 200."""
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")
+        out = self._log_file or subprocess.DEVNULL
+        # the child imports this very package, installed or not
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                where = f" (log: {self.log_path})" if self.log_path else ""
+                raise EngineError(f"engine exited with code {code} while loading {self.gguf}{where}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise EngineError(f"engine not ready after {self.ready_timeout:.0f} s")
+
+    def stop(self) -> None:
+        """SIGTERM the child, SIGKILL it if it lingers; safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> EmbeddedEngine:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Child-process entry point; `openforge engine` is the user-facing command."""
+    parser = argparse.ArgumentParser(prog="python -m openforge.engine")
+    parser.add_argument("--gguf", type=Path, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ctx", type=int, default=8192)
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chat-template", default="chatml-tools")
+    args = parser.parse_args(argv)
+    template = resolve_chat_template(args.chat_template)
+    serve(args.gguf, args.port, args.ctx, args.parallel, args.threads, template)
+
+
+if __name__ == "__main__":
+    main()

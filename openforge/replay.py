@@ -1,0 +1,762 @@
+"""Replay captured traces: answer a toolchain from a trace (`serve`), or re-send its engine calls (`drive`).
+
+`serve` stands where an engine (or the whole proxy) would be: each incoming LLM call is matched to a
+recorded exchange by its *conversation* (messages / input normalised so that cosmetic differences such as
+moved `cache_control` markers, string-vs-text-list content or re-serialised tool arguments do not count),
+and the recorded answer is sent back, streamed chunk by chunk with the recorded pacing unless `fast`.
+A call that matches nothing is answered with an error in the client's own protocol that names the
+message index and field where it left the closest recorded conversation.
+
+`drive` re-sends the recorded requests to a live engine with bounded concurrency and reports
+throughput, time to first token, total latency and how far the new completions diverge from the
+recorded ones.
+
+Only the standard library, msgpack (via addons.flowfile) and httpx are used, so this runs anywhere the
+proxy does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+from urllib.parse import urlsplit
+
+from addons.flowfile import expand_paths, open_flow_file
+
+Side = Literal["client", "engine"]
+LLM_PROTOCOLS = ("chat", "completions", "responses", "anthropic")
+HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
+
+
+class ReplayError(Exception):
+    """Bad input for a replay (no usable exchanges, unreadable trace): shown to the user without a traceback."""
+
+
+# --------------------------------------------------------------------------------------------- trace
+
+def load_exchanges(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """All complete exchange records with a response, in (t_start, seq) order, from files or directories."""
+    files = expand_paths(list(paths))
+    if not files:
+        raise ReplayError(f"no flow files found in {', '.join(map(str, paths))}")
+    out: list[dict[str, Any]] = []
+    for path in files:
+        if not path.exists():
+            raise ReplayError(f"{path}: no such file")
+        flow = open_flow_file(path)
+        out.extend(r for r in flow.records() if r.get("type") == "exchange" and r.get("response"))
+        if flow.error:
+            raise ReplayError(f"{path}: {flow.error}")
+    out.sort(key=lambda r: (r.get("t_start") or 0.0, r.get("seq") or 0))
+    return out
+
+
+def protocol_of_path(path: str) -> str:
+    """The wire protocol a request path speaks (same names as the flow format's `protocol` field)."""
+    p = urlsplit(path).path.rstrip("/")
+    if p.endswith("/messages/count_tokens"):
+        return "anthropic_count_tokens"
+    if p.endswith("/messages"):
+        return "anthropic"
+    if p.endswith("/chat/completions"):
+        return "chat"
+    if p.endswith("/responses"):
+        return "responses"
+    if p.endswith("/completions"):
+        return "completions"
+    if p.endswith("/models"):
+        return "models"
+    return "other"
+
+
+def strip_episode_prefix(path: str) -> str:
+    """`/e/<episode>/v1/...` -> `/v1/...` (the proxy's episode routing prefix)."""
+    if path.startswith("/e/"):
+        rest = path[3:]
+        slash = rest.find("/")
+        return rest[slash:] if slash >= 0 else "/"
+    return path
+
+
+def json_body(body: bytes | None) -> Any:
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def request_of(exchange: dict[str, Any], side: Side) -> dict[str, Any] | None:
+    return exchange.get("client_request") if side == "client" else exchange.get("upstream_request")
+
+
+# ------------------------------------------------------------------------------------ normalisation
+
+def _norm_content(content: Any) -> Any:
+    """String content and a one-element text list are the same thing to every server."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list):
+        return [_norm_value(part) for part in content]
+    return _norm_value(content)
+
+
+def _maybe_json(value: Any) -> Any:
+    """Tool-call arguments are JSON text that some clients re-serialise: compare them parsed."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _norm_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if k == "cache_control":
+                continue
+            if k in ("content", "output") and not isinstance(v, dict):
+                out[k] = _norm_content(v)
+            elif k == "arguments":
+                out[k] = _maybe_json(v)
+            else:
+                out[k] = _norm_value(v)
+        return out
+    if isinstance(value, list):
+        return [_norm_value(v) for v in value]
+    return value
+
+
+def conversation(protocol: str, body: Any) -> list[Any]:
+    """The normalised conversation of a request: system/instructions first, then each message or item."""
+    if not isinstance(body, dict):
+        return []
+    if protocol in ("anthropic", "anthropic_count_tokens"):
+        items = [{"system": _norm_content(body["system"])}] if body.get("system") else []
+        return items + [_norm_value(m) for m in body.get("messages") or []]
+    if protocol == "chat":
+        return [_norm_value(m) for m in body.get("messages") or []]
+    if protocol == "responses":
+        items = [{"instructions": body["instructions"]}] if body.get("instructions") else []
+        inp = body.get("input")
+        if isinstance(inp, str):
+            inp = [{"role": "user", "content": inp}]
+        return items + [_norm_value(m) for m in inp or []]
+    if protocol == "completions":
+        return [{"prompt": body.get("prompt")}]
+    return [_norm_value(body)]
+
+
+def conversation_key(items: list[Any]) -> str:
+    return json.dumps(items, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    """Dotted path of the first place two JSON values differ (None if equal)."""
+    if type(a) is not type(b):
+        return path or "(value)"
+    if isinstance(a, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                return f"{path}.{k}" if path else k
+            d = _first_difference(a[k], b[k], f"{path}.{k}" if path else k)
+            if d:
+                return d
+        return None
+    if isinstance(a, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = _first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None if len(a) == len(b) else f"{path} (length {len(a)} vs recorded {len(b)})"
+    return None if a == b else (path or "(value)")
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass
+class Divergence:
+    """Where an incoming conversation leaves the closest recorded one."""
+
+    index: int  # message index (0 = system/instructions when the protocol has one)
+    field: str
+    got: Any
+    expected: Any
+    recorded_id: str | None
+
+    def message(self) -> str:
+        return (
+            f"replay: no recorded call matches this conversation; closest recorded call {self.recorded_id} "
+            f"diverges at message {self.index}, field {self.field!r}: got {_short(self.got)}, "
+            f"recorded {_short(self.expected)}"
+        )
+
+
+def diverge(incoming: list[Any], recorded: list[Any], recorded_id: str | None) -> Divergence:
+    n = min(len(incoming), len(recorded))
+    for i in range(n):
+        if incoming[i] != recorded[i]:
+            where = _first_difference(incoming[i], recorded[i], "") or "(message)"
+            return Divergence(i, where, incoming[i], recorded[i], recorded_id)
+    if len(incoming) > len(recorded):
+        return Divergence(n, "(extra message)", incoming[n], None, recorded_id)
+    return Divergence(n, "(missing message)", None, recorded[n], recorded_id)
+
+
+def _common_prefix(a: list[Any], b: list[Any]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------- matching
+
+@dataclass
+class ReplayIndex:
+    """Recorded exchanges keyed by (protocol, conversation); repeated keys are served in recorded order."""
+
+    side: Side = "client"
+    _by_key: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
+    _next: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    _convs: list[tuple[str, list[Any], dict[str, Any]]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def build(cls, exchanges: list[dict[str, Any]], side: Side = "client") -> ReplayIndex:
+        index = cls(side=side)
+        for ex in exchanges:
+            req = request_of(ex, side)
+            if not req:
+                continue
+            proto = protocol_of_path(req.get("url", ""))
+            conv = conversation(proto, json_body(req.get("body")))
+            index._by_key[(proto, conversation_key(conv))].append(ex)
+            index._convs.append((proto, conv, ex))
+        if not index._convs:
+            raise ReplayError(f"the trace holds no exchange with a recorded {side} request")
+        return index
+
+    def __len__(self) -> int:
+        return len(self._convs)
+
+    def match(self, protocol: str, body: Any) -> tuple[dict[str, Any] | None, Divergence | None]:
+        """The next recorded exchange for this conversation, or the divergence from the closest one."""
+        conv = conversation(protocol, body)
+        key = (protocol, conversation_key(conv))
+        with self._lock:
+            candidates = self._by_key.get(key)
+            if candidates:
+                i = self._next[key]
+                self._next[key] = i + 1
+                return candidates[i % len(candidates)], None
+        same_proto = [(c, ex) for p, c, ex in self._convs if p == protocol]
+        if not same_proto:
+            return None, Divergence(0, "(protocol)", protocol, sorted({p for p, _, _ in self._convs}), None)
+        best, ex = max(same_proto, key=lambda ce: (_common_prefix(conv, ce[0]), -abs(len(ce[0]) - len(conv))))
+        return None, diverge(conv, best, ex.get("id"))
+
+    def models(self) -> list[str]:
+        names = {ex.get("model") or "" for _, _, ex in self._convs} | {
+            ex.get("upstream_model") or "" for _, _, ex in self._convs
+        }
+        return sorted(n for n in names if n)
+
+
+# -------------------------------------------------------------------------------- recorded answers
+
+@dataclass
+class Answer:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes | None  # non-streamed
+    chunks: list[tuple[float, bytes]] | None  # streamed: (seconds after request start, bytes)
+    first_delay: float = 0.0  # non-streamed: recorded time to the answer
+
+
+INJECTED_KEYS = {
+    "return_token_ids": ("prompt_token_ids", "token_ids"),
+    "logprobs": ("logprobs",),
+    "top_logprobs": ("top_logprobs",),
+    "prompt_logprobs": ("prompt_logprobs",),
+}
+
+
+def _strip_keys(value: Any, keys: set[str]) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_keys(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [_strip_keys(v, keys) for v in value]
+    return value
+
+
+def _strip_json(data: bytes, keys: set[str]) -> bytes:
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return data
+    return json.dumps(_strip_keys(obj, keys), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def iter_sse_events(data: bytes) -> Iterator[bytes]:
+    """Split an SSE stream into complete events (each ending with a blank line)."""
+    buf = data.replace(b"\r\n", b"\n")
+    while buf:
+        end = buf.find(b"\n\n")
+        if end < 0:
+            yield buf
+            return
+        yield buf[: end + 2]
+        buf = buf[end + 2 :]
+
+
+def _strip_event(event: bytes, keys: set[str]) -> bytes:
+    lines = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
+            line = b"data: " + _strip_json(line[5:].strip(), keys)
+        lines.append(line)
+    return b"\n".join(lines)
+
+
+def recorded_answer(exchange: dict[str, Any], side: Side) -> Answer:
+    """What the given side received: the engine's `response`, or for the client `client_response` when the
+    proxy translated, else `response` with the effect of the proxy's injected fields removed."""
+    resp = exchange.get("client_response") if side == "client" else None
+    keys: set[str] = set()
+    if resp is None:
+        resp = exchange["response"]
+        if side == "client":
+            for name in exchange.get("injected") or []:
+                keys.update(INJECTED_KEYS.get(name, ()))
+    t0 = exchange.get("t_start") or 0.0
+    headers = [(k, v) for k, v in resp.get("headers") or [] if k.lower() not in HOP_BY_HOP]
+    status = int(resp.get("status") or 200)
+    if resp.get("streamed") and resp.get("chunks") is not None:
+        chunks = [(max(0.0, t - t0), bytes(b)) for t, b in resp["chunks"]]
+        if keys:
+            chunks = _restrip_chunks(chunks, keys)
+        return Answer(status, headers, None, chunks)
+    body = bytes(resp.get("body") or b"")
+    if keys:
+        body = _strip_json(body, keys)
+    t_end = exchange.get("t_end") or exchange.get("t_first_byte") or t0
+    return Answer(status, headers, body, None, max(0.0, t_end - t0))
+
+
+def _restrip_chunks(chunks: list[tuple[float, bytes]], keys: set[str]) -> list[tuple[float, bytes]]:
+    """Rewrite SSE events without the injected keys; each event goes out when its last byte arrived."""
+    out: list[tuple[float, bytes]] = []
+    pending = b""
+    for t, data in chunks:
+        pending += data.replace(b"\r\n", b"\n")
+        end = pending.rfind(b"\n\n")
+        if end < 0:
+            continue
+        ready, pending = pending[: end + 2], pending[end + 2 :]
+        out.append((t, b"".join(_strip_event(e, keys) for e in iter_sse_events(ready))))
+    if pending:
+        out.append((chunks[-1][0], _strip_event(pending, keys)))
+    return out
+
+
+def error_answer(protocol: str, message: str, status: int = 400) -> Answer:
+    """An error in the client's protocol, so the CLI prints the message instead of retrying blindly."""
+    if protocol.startswith("anthropic"):
+        payload: dict[str, Any] = {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+    else:
+        payload = {"error": {"message": message, "type": "invalid_request_error", "code": "replay_divergence"}}
+    return Answer(status, [("content-type", "application/json")], json.dumps(payload).encode(), None)
+
+
+# ------------------------------------------------------------------------------------------ server
+
+class ReplayServer:
+    """A threaded HTTP server on 127.0.0.1 answering from a ReplayIndex (`with ReplayServer(...) as s: s.url`)."""
+
+    def __init__(
+        self, index: ReplayIndex, host: str = "127.0.0.1", port: int = 0, speed: float | None = 1.0
+    ) -> None:
+        self.index = index
+        self.speed = speed  # None or 0: as fast as possible; 2.0: twice the recorded pace
+        self.served = 0
+        self.diverged: list[str] = []
+        handler = type("Handler", (_Handler,), {"replay": self})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> ReplayServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> ReplayServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait(self, seconds: float) -> None:
+        if self.speed and seconds > 0:
+            time.sleep(seconds / self.speed)
+
+    def answer(self, method: str, path: str, body: bytes) -> Answer:
+        path = strip_episode_prefix(path)
+        protocol = protocol_of_path(path)
+        if protocol == "models" and method == "GET":
+            data = [{"id": m, "object": "model", "owned_by": "openforge-replay"} for m in self.index.models()]
+            return Answer(200, [("content-type", "application/json")], json.dumps({"object": "list", "data": data}).encode(), None)
+        if method != "POST" or protocol in ("other", "models"):
+            return error_answer(protocol, f"replay: {method} {path} is not an LLM call", 404)
+        parsed = json_body(body)
+        if parsed is None:
+            return error_answer(protocol, "replay: request body is not JSON")
+        exchange, div = self.index.match(protocol, parsed)
+        if exchange is None:
+            if protocol == "anthropic_count_tokens":  # not always recorded; an estimate keeps the CLI going
+                est = {"input_tokens": max(1, len(body) // 4)}
+                return Answer(200, [("content-type", "application/json")], json.dumps(est).encode(), None)
+            assert div is not None
+            self.diverged.append(div.message())
+            return error_answer(protocol, div.message())
+        self.served += 1
+        return recorded_answer(exchange, self.index.side)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    replay: ReplayServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: the CLI prints a summary instead
+        pass
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def _handle(self) -> None:
+        n = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(n) if n else b""
+        ans = self.replay.answer(self.command, self.path, body)
+        self.send_response(ans.status)
+        for k, v in ans.headers:
+            self.send_header(k, v)
+        try:
+            if ans.chunks is None:
+                self.replay.wait(ans.first_delay)
+                data = ans.body or b""
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_header("transfer-encoding", "chunked")
+            self.send_header("cache-control", "no-cache")
+            self.end_headers()
+            last = 0.0
+            for t, data in ans.chunks:
+                self.replay.wait(t - last)
+                last = max(last, t)
+                if data:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+
+# --------------------------------------------------------------------------------- completions
+
+@dataclass
+class Completion:
+    """What an engine generated in one answer: text (with tool-call arguments) and token ids if present."""
+
+    text: str = ""
+    token_ids: list[int] | None = None
+    output_tokens: int | None = None
+
+    def units(self) -> list[Any]:
+        return list(self.token_ids) if self.token_ids is not None else list(self.text)
+
+
+def _sse_data(data: bytes) -> Iterator[Any]:
+    for event in iter_sse_events(data):
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+                if payload and payload != b"[DONE]":
+                    obj = json_body(payload)
+                    if obj is not None:
+                        yield obj
+
+
+class CompletionParser:
+    """Accumulates a completion from a response body or SSE events of any supported protocol."""
+
+    def __init__(self, protocol: str) -> None:
+        self.protocol = protocol
+        self.c = Completion()
+
+    def feed_event(self, obj: Any) -> bool:
+        """Add one (streamed or whole) JSON answer; True if it carried generated content."""
+        if not isinstance(obj, dict):
+            return False
+        before = (len(self.c.text), len(self.c.token_ids or []))
+        p = self.protocol
+        if p in ("chat", "completions"):
+            for ch in (obj.get("choices") or [])[:1]:
+                part = ch.get("delta") or ch.get("message") or {}
+                self.c.text += ch.get("text") or part.get("content") or ""
+                self.c.text += part.get("reasoning_content") or ""
+                for tc in part.get("tool_calls") or []:
+                    fn = tc.get("function") or {}
+                    self.c.text += (fn.get("name") or "") + (fn.get("arguments") or "")
+                if ch.get("token_ids") is not None:
+                    self.c.token_ids = (self.c.token_ids or []) + list(ch["token_ids"])
+            usage = obj.get("usage") or {}
+            if usage.get("completion_tokens") is not None:
+                self.c.output_tokens = usage["completion_tokens"]
+        elif p == "anthropic":
+            t = obj.get("type")
+            if t == "content_block_delta":
+                d = obj.get("delta") or {}
+                self.c.text += d.get("text") or d.get("partial_json") or d.get("thinking") or ""
+            elif t == "content_block_start":
+                b = obj.get("content_block") or {}
+                self.c.text += b.get("name") or ""
+            elif t == "message" or "content" in obj and "role" in obj:
+                for b in obj.get("content") or []:
+                    self.c.text += b.get("text") or b.get("thinking") or ""
+                    if b.get("type") == "tool_use":
+                        self.c.text += b.get("name", "") + json.dumps(b.get("input"), sort_keys=True)
+            usage = obj.get("usage") or (obj.get("message") or {}).get("usage") or {}
+            if usage.get("output_tokens") is not None:
+                self.c.output_tokens = usage["output_tokens"]
+        elif p == "responses":
+            t = obj.get("type", "")
+            if t in ("response.output_text.delta", "response.function_call_arguments.delta", "response.reasoning_text.delta"):
+                self.c.text += obj.get("delta") or ""
+            elif t == "response.output_item.added":
+                self.c.text += (obj.get("item") or {}).get("name") or ""
+            resp = obj.get("response") if t else obj
+            if isinstance(resp, dict):
+                if not t:  # non-streamed: the whole response object
+                    for item in resp.get("output") or []:
+                        self.c.text += item.get("name") or ""
+                        self.c.text += item.get("arguments") or ""
+                        for part in item.get("content") or []:
+                            self.c.text += part.get("text") or ""
+                usage = resp.get("usage") or {}
+                if usage.get("output_tokens") is not None:
+                    self.c.output_tokens = usage["output_tokens"]
+        return (len(self.c.text), len(self.c.token_ids or [])) != before
+
+    def feed_body(self, body: bytes) -> None:
+        self.feed_event(json_body(body))
+
+    def feed_stream(self, data: bytes) -> None:
+        for obj in _sse_data(data):
+            self.feed_event(obj)
+
+
+def completion_of(protocol: str, response: dict[str, Any]) -> Completion:
+    parser = CompletionParser(protocol)
+    if response.get("streamed") and response.get("chunks") is not None:
+        parser.feed_stream(b"".join(bytes(b) for _, b in response["chunks"]))
+    else:
+        parser.feed_body(bytes(response.get("body") or b""))
+    return parser.c
+
+
+def prefix_ratio(a: list[Any], b: list[Any]) -> float:
+    """Common-prefix length over the longer length (1.0 for two empty completions)."""
+    longest = max(len(a), len(b))
+    return 1.0 if longest == 0 else _common_prefix(a, b) / longest
+
+
+# --------------------------------------------------------------------------------------------- drive
+
+@dataclass
+class CallResult:
+    id: str | None
+    status: int
+    ttft: float | None
+    latency: float
+    output_tokens: int | None
+    identical: bool
+    prefix_ratio: float
+    error: str | None = None
+
+
+@dataclass
+class DriveReport:
+    results: list[CallResult]
+    wall: float
+    concurrency: int
+
+    @staticmethod
+    def _pct(values: list[float], q: float) -> float | None:
+        if not values:
+            return None
+        if len(values) == 1:
+            return values[0]
+        return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+    def summary(self) -> dict[str, Any]:
+        ok = [r for r in self.results if r.error is None and 200 <= r.status < 300]
+        ttfts = [r.ttft for r in ok if r.ttft is not None]
+        lats = [r.latency for r in ok]
+        toks = sum(r.output_tokens or 0 for r in ok)
+        return {
+            "calls": len(self.results),
+            "ok": len(ok),
+            "failed": len(self.results) - len(ok),
+            "concurrency": self.concurrency,
+            "wall_s": self.wall,
+            "calls_per_s": len(ok) / self.wall if self.wall > 0 else None,
+            "output_tokens_per_s": toks / self.wall if self.wall > 0 else None,
+            "ttft_p50_s": self._pct(ttfts, 50),
+            "ttft_p99_s": self._pct(ttfts, 99),
+            "latency_p50_s": self._pct(lats, 50),
+            "latency_p99_s": self._pct(lats, 99),
+            "identical_fraction": sum(r.identical for r in ok) / len(ok) if ok else None,
+            "mean_prefix_ratio": statistics.fmean(r.prefix_ratio for r in ok) if ok else None,
+        }
+
+
+DROP_REQUEST_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "accept-encoding"}
+
+
+def _drive_plan(exchanges: list[dict[str, Any]], side: Side) -> list[list[dict[str, Any]]]:
+    """Groups of exchanges to send in order: one group per episode on the client side (a conversation
+    only makes sense turn by turn), one group per call on the engine side (each request stands alone)."""
+    usable = [
+        ex for ex in exchanges
+        if request_of(ex, side) and protocol_of_path(request_of(ex, side)["url"]) in LLM_PROTOCOLS
+    ]
+    if side == "engine":
+        return [[ex] for ex in usable]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for ex in usable:
+        groups.setdefault(ex.get("episode") or ex["id"], []).append(ex)
+    return list(groups.values())
+
+
+async def drive(
+    exchanges: list[dict[str, Any]],
+    upstream: str,
+    concurrency: int = 8,
+    side: Side = "engine",
+    model: str | None = None,
+    timeout: float = 300.0,
+    api_key: str | None = None,
+    on_done: Any = None,
+) -> DriveReport:
+    """Re-send recorded requests to `upstream` (origin + recorded path) and compare the answers."""
+    import httpx
+
+    groups = _drive_plan(exchanges, side)
+    if not groups:
+        raise ReplayError(f"the trace holds no LLM call with a recorded {side} request")
+    base = upstream.rstrip("/")
+    sem = asyncio.Semaphore(concurrency)
+    results: list[CallResult] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async def one(client: httpx.AsyncClient, ex: dict[str, Any]) -> CallResult:
+        req = request_of(ex, side)
+        assert req is not None
+        parts = urlsplit(req["url"])
+        url = base + parts.path + (f"?{parts.query}" if parts.query else "")
+        protocol = protocol_of_path(parts.path)
+        body = bytes(req.get("body") or b"")
+        if model is not None:
+            obj = json.loads(body)
+            obj["model"] = model
+            body = json.dumps(obj).encode()
+        headers = {k: v for k, v in req.get("headers") or [] if k.lower() not in DROP_REQUEST_HEADERS}
+        if api_key:  # recorded credentials are masked; give a real one when the engine checks
+            headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "x-api-key")}
+            headers["authorization"] = f"Bearer {api_key}"
+        recorded = completion_of(protocol, ex["response"] if side == "engine" else _client_view(ex))
+        parser = CompletionParser(protocol)
+        t0 = time.perf_counter()
+        ttft = None
+        try:
+            async with client.stream(req.get("method", "POST"), url, content=body, headers=headers) as r:
+                if r.headers.get("content-type", "").startswith("text/event-stream"):
+                    pending = b""
+                    async for data in r.aiter_bytes():
+                        pending += data.replace(b"\r\n", b"\n")
+                        end = pending.rfind(b"\n\n")
+                        if end < 0:
+                            continue
+                        ready, pending = pending[: end + 2], pending[end + 2 :]
+                        for obj in _sse_data(ready):
+                            if parser.feed_event(obj) and ttft is None:
+                                ttft = time.perf_counter() - t0
+                    parser.feed_stream(pending)
+                else:
+                    parser.feed_body(await r.aread())
+                status = r.status_code
+            error = None if 200 <= status < 300 else f"HTTP {status}"
+        except httpx.HTTPError as e:
+            status, error = 0, f"{type(e).__name__}: {e}"
+        latency = time.perf_counter() - t0
+        new = parser.c
+        a, b = (new.units(), recorded.units())
+        if (new.token_ids is None) != (recorded.token_ids is None):
+            a, b = list(new.text), list(recorded.text)
+        return CallResult(ex.get("id"), status, ttft, latency, new.output_tokens, a == b, prefix_ratio(a, b), error)
+
+    async def run_group(client: httpx.AsyncClient, group: list[dict[str, Any]]) -> None:
+        for ex in group:
+            async with sem:
+                res = await one(client, ex)
+            results.append(res)
+            if on_done:
+                on_done(res)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        await asyncio.gather(*(run_group(client, g) for g in groups))
+    return DriveReport(results, time.perf_counter() - t0, concurrency)
+
+
+def _client_view(exchange: dict[str, Any]) -> dict[str, Any]:
+    return exchange.get("client_response") or exchange["response"]
+
+
+def count_calls(exchanges: list[dict[str, Any]], side: Side) -> int:
+    return sum(len(g) for g in _drive_plan(exchanges, side))

@@ -1,0 +1,5 @@
+"""Flow files -> token-exact training samples in DuckDB (see docs/reconstruct.md)."""
+
+from reconstruct.api import Summary, reconstruct
+
+__all__ = ["Summary", "reconstruct"]

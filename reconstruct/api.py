@@ -1,0 +1,443 @@
+"""`reconstruct(paths, db, tokenizer, ...)`: flow files -> token-exact samples in DuckDB.
+
+Two passes, both streaming. Pass 1 reads each new (or grown) flow file once, turns each exchange
+into a call with token ids and stores it (`calls`, `call_tokens`), rewards into `rewards`, and
+anything unusable into `skipped`. Pass 2 rebuilds only the episodes that pass 1 touched, one
+episode in memory at a time, from `call_tokens`: trajectory tree, samples, reward, advantage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+
+from addons.flowfile import UnsupportedVersion, expand_paths, open_flow_file, pack
+from reconstruct import store
+from reconstruct.drift import classify
+from reconstruct.episodes import Linker, chain_hashes, loose_message, strict_message
+from reconstruct.mitm_flows import MitmFile, is_mitm_file
+from reconstruct.protocols import Call, Skip, parse_record
+from reconstruct.rewards import RESOLVED_REWARDS_SQL, MissingReward, advantage_sql, read_rewards_file
+from reconstruct.tokenize import Retokenizer, load_tokenizer, stable_json
+from reconstruct.trajectories import DRIFT_CLASSES, TreeCall, build_tree, chains, near_misses
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+FLUSH_EVERY = 256
+
+
+@dataclass
+class Summary:
+    """What one run did; the CLI prints it and tests assert on it."""
+
+    files: int = 0
+    files_ingested: int = 0
+    files_unchanged: int = 0
+    records: int = 0
+    calls: int = 0
+    calls_engine_ids: int = 0
+    calls_retokenized: int = 0
+    rewards: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    episodes: int = 0
+    samples: int = 0
+    tokens: int = 0
+    trainable_tokens: int = 0
+    drift: Counter = field(default_factory=Counter)
+    episodes_missing_reward: int = 0
+    episodes_dropped: int = 0
+    episodes_pending: int = 0  # no reward and no --missing-reward policy: not built, not lost
+    seconds: float = 0.0
+
+
+CALL_COLUMNS = [
+    "call_id", "file_id", "episode_id", "run_id", "role", "toolchain", "protocol", "model", "streamed",
+    "status", "t_start", "t_first_byte", "t_end", "prompt_tokens", "completion_tokens", "finish_reason",
+    "token_source",
+]
+TOKEN_COLUMNS = [
+    "call_id", "episode_id", "linked_by", "t_start", "seq", "token_source", "prompt_ids", "completion_ids",
+    "completion_logprobs", "conv_hashes", "conv_end", "strict_hashes", "strict_end", "messages", "tools",
+    "completion",
+]
+SAMPLE_COLUMNS = [
+    "sample_id", "episode_id", "run_id", "task_id", "tokenizer", "vocab_size", "token_source", "input_ids",
+    "loss_mask", "behaviour_logprobs", "n_tokens", "n_trainable", "n_calls", "reward", "advantage", "weight",
+    "created_at",
+]
+EPISODE_COLUMNS = [
+    "episode_id", "run_id", "task_id", "toolchain", "n_calls", "n_samples", "reward", "weight",
+    "drift_template", "drift_retokenization", "drift_client_rewrite", "drift_other",
+]
+
+
+def reconstruct(
+    paths: Iterable[str | Path],
+    db: str | Path,
+    tokenizer: Any,
+    rewards: str | Path | None = None,
+    run: str | None = None,
+    missing_reward: str | MissingReward | None = None,
+    advantage: str = "grpo",
+    progress: Progress | None = None,
+) -> Summary:
+    """Ingest flow files (ours or mitmproxy's) into `db`; rebuild the episodes they touch."""
+    started = time.monotonic()
+    policy = missing_reward if isinstance(missing_reward, MissingReward) else MissingReward.parse(missing_reward)
+    advantage_sql(advantage)  # validate before any work
+    files = expand_paths(list(paths))
+    reward_rows = list(read_rewards_file(rewards)) if rewards else []
+    retok = tokenizer if isinstance(tokenizer, Retokenizer) else Retokenizer(load_tokenizer(tokenizer))
+    con = store.connect(db)
+    try:
+        summary = Summary(files=len(files))
+        con.execute(f"CREATE OR REPLACE TEMP TABLE old_rewards AS {RESOLVED_REWARDS_SQL}")
+        linker = Linker(
+            dict(con.execute("SELECT conv_end, episode_id FROM call_tokens WHERE linked_by = 'conversation'").fetchall())
+        )
+        touched: set[str] = set()
+        total = sum(p.stat().st_size for p in files if p.exists())
+        done = 0
+        for path in files:
+            _ingest_file(con, path, retok, linker, run, summary, touched)
+            done += path.stat().st_size if path.exists() else 0
+            if progress:
+                progress("read", done, total)
+        if rewards:
+            _ingest_rewards_file(con, Path(rewards), reward_rows, summary)
+        _rebuild(con, retok, touched, policy, advantage, summary, progress)
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('advantage', ?)", [advantage])
+        summary.seconds = time.monotonic() - started
+        return summary
+    finally:
+        con.close()
+
+
+# ---------------------------------------------------------------- pass 1: files -> calls
+
+
+def _open(path: Path) -> tuple[Any, str | None, str | None]:
+    """(reader, file id, error) without reading past the header, so unchanged files cost nothing."""
+    if not path.is_file():
+        return None, None, f"no such file: {path}"
+    if path.stat().st_size and is_mitm_file(path):
+        reader = MitmFile(path)
+        first = next(iter(MitmFile(path).records()), None)
+        if first is None:
+            return None, None, "mitmproxy file holds no HTTP flow"
+        return reader, hashlib.sha256(f"mitmproxy:{first['id']}".encode()).hexdigest()[:32], None
+    try:
+        with open(path, "rb") as f:
+            header = next(iter(msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=1 << 20)))
+    except Exception as e:  # noqa: BLE001 - any undecodable start means the same thing
+        return None, None, f"not a flow file: {e}"
+    if not isinstance(header, dict) or header.get("type") != "header":
+        return None, None, "no header record: not an OpenForge flow file"
+    reader = open_flow_file(path)
+    return reader, hashlib.sha256(pack(header)).hexdigest()[:32], None
+
+
+def _ingest_file(con, path: Path, retok: Retokenizer, linker: Linker, run, summary: Summary, touched: set) -> None:
+    reader, file_id, error = _open(path)
+    if error:
+        fid = "path:" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:27]
+        con.execute("DELETE FROM skipped WHERE file_id = ? AND record_id IS NULL", [fid])
+        con.execute("INSERT INTO skipped VALUES (?, NULL, 'unreadable_file', ?)", [fid, f"{path}: {error}"])
+        summary.skipped["unreadable_file"] += 1
+        return
+    prior = con.execute("SELECT n_records, n_bytes FROM ingested_files WHERE file_id = ?", [file_id]).fetchone()
+    size = path.stat().st_size
+    if prior and prior[1] == size:
+        summary.files_unchanged += 1
+        return
+    already = prior[0] if prior else 0
+    con.begin()
+    try:
+        con.execute("DELETE FROM skipped WHERE file_id = ? AND record_id IS NULL", [file_id])
+        bufs = _buffers(con)
+        index = 0
+        try:
+            for rec in reader.records():
+                index += 1
+                if index <= already:
+                    continue
+                summary.records += 1
+                _ingest_record(rec, file_id, retok, linker, run, bufs, summary, touched)
+                if bufs["calls"].n >= FLUSH_EVERY:
+                    _flush(bufs)
+        except UnsupportedVersion as e:
+            reader.error = str(e)
+        _flush(bufs)
+        for flag, reason in ((reader.error, "corrupt_file"), (reader.torn_tail, "torn_record")):
+            if flag:
+                detail = reader.error if reason == "corrupt_file" else "last record cut short (kill -9 mid-write)"
+                con.execute("INSERT INTO skipped VALUES (?, NULL, ?, ?)", [file_id, reason, f"{path}: {detail}"])
+                summary.skipped[reason] += 1
+        con.execute(
+            "INSERT OR REPLACE INTO ingested_files VALUES (?, ?, ?, ?, ?, ?)",
+            [file_id, str(path), reader.n_records, size, bool(reader.torn_tail), datetime.now(timezone.utc)],
+        )
+        con.commit()
+    except BaseException:
+        con.rollback()
+        raise
+    summary.files_ingested += 1
+
+
+def _buffers(con) -> dict[str, store.Buffer]:
+    return {
+        "calls": store.Buffer(con, "calls", CALL_COLUMNS, ignore_conflicts=True),
+        "call_tokens": store.Buffer(con, "call_tokens", TOKEN_COLUMNS, ignore_conflicts=True),
+        "skipped": store.Buffer(con, "skipped", ["file_id", "record_id", "reason", "detail"]),
+        "rewards": store.Buffer(con, "rewards", ["episode_id", "reward", "task_id", "source", "metadata"]),
+        "images": store.Buffer(con, "images", ["sha256", "mime", "data"], ignore_conflicts=True),
+        "call_images": store.Buffer(con, "call_images", ["call_id", "sha256"]),
+    }
+
+
+def _flush(bufs: dict[str, store.Buffer]) -> None:
+    for b in bufs.values():
+        b.flush()
+
+
+def _ingest_record(rec, file_id, retok, linker, run, bufs, summary: Summary, touched: set) -> None:
+    if rec.get("type") == "reward":
+        try:
+            reward = float(rec["reward"])
+            episode = str(rec["episode"])
+        except (KeyError, TypeError, ValueError):
+            bufs["skipped"].add(file_id=file_id, record_id=rec.get("id"), reason="bad_reward", detail=str(rec)[:300])
+            summary.skipped["bad_reward"] += 1
+            return
+        meta = rec.get("metadata")
+        bufs["rewards"].add(
+            episode_id=episode, reward=reward, task_id=rec.get("task_id"), source=f"flow:{file_id}",
+            metadata=json.dumps(meta) if meta is not None else None,
+        )
+        summary.rewards += 1
+        return
+    if rec.get("type") != "exchange":
+        return
+    try:
+        call = parse_record(rec)
+        prompt_ids, completion_ids, source = _token_ids(call, retok)
+    except Skip as s:
+        bufs["skipped"].add(file_id=file_id, record_id=rec.get("id"), reason=s.reason, detail=s.detail)
+        summary.skipped[s.reason] += 1
+        return
+    messages = call.messages if call.messages is not None else [{"role": "prompt", "content": call.prompt_text or ""}]
+    conv, conv_end = chain_hashes(messages, call.tools, call.completion, loose_message)
+    strict, strict_end = chain_hashes(messages, call.tools, call.completion, strict_message)
+    if rec.get("episode"):
+        episode, linked_by = str(rec["episode"]), "recorded"
+    else:
+        episode, linked_by = linker.assign(call.call_id, conv, conv_end), "conversation"
+    touched.add(episode)
+    bufs["calls"].add(
+        call_id=call.call_id, file_id=file_id, episode_id=episode, run_id=run, role=rec.get("role"),
+        toolchain=rec.get("toolchain"), protocol=call.protocol, model=rec.get("model"), streamed=call.streamed,
+        status=call.status, t_start=rec.get("t_start"), t_first_byte=rec.get("t_first_byte"),
+        t_end=rec.get("t_end"), prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
+        finish_reason=call.finish_reason, token_source=source,
+    )
+    logprobs = call.engine_logprobs if call.engine_completion_ids is not None else None
+    bufs["call_tokens"].add(
+        call_id=call.call_id, episode_id=episode, linked_by=linked_by, t_start=rec.get("t_start"),
+        seq=rec.get("seq"), token_source=source, prompt_ids=prompt_ids, completion_ids=completion_ids,
+        completion_logprobs=logprobs, conv_hashes=conv, conv_end=conv_end, strict_hashes=strict,
+        strict_end=strict_end, messages=json.dumps(call.messages) if call.messages is not None else None,
+        tools=json.dumps(call.tools), completion=json.dumps(call.completion),
+    )
+    for img in call.images:
+        bufs["images"].add(sha256=img.sha256, mime=img.mime, data=img.data)
+        bufs["call_images"].add(call_id=call.call_id, sha256=img.sha256)
+    summary.calls += 1
+    if source == "engine":
+        summary.calls_engine_ids += 1
+    else:
+        summary.calls_retokenized += 1
+
+
+def _token_ids(call: Call, retok: Retokenizer) -> tuple[list[int], list[int], str]:
+    """The engine's ids where it gave them, else the chat template's; `mixed` when only the completion's."""
+    if call.engine_prompt_ids is not None and call.engine_completion_ids is not None:
+        return call.engine_prompt_ids, call.engine_completion_ids, "engine"
+    try:
+        prompt, completion = retok.call_ids(call)
+    except Exception as e:  # noqa: BLE001 - a template that rejects this conversation skips the call
+        raise Skip("template_error", f"{type(e).__name__}: {e}") from None
+    if call.engine_completion_ids is not None:
+        return prompt, call.engine_completion_ids, "mixed"
+    return prompt, completion, "retokenized"
+
+
+def _ingest_rewards_file(con, path: Path, rows: list[dict[str, Any]], summary: Summary) -> None:
+    source = f"file:{path.resolve()}"
+    con.execute("DELETE FROM rewards WHERE source = ?", [source])
+    buf = store.Buffer(con, "rewards", ["episode_id", "reward", "task_id", "source", "metadata"])
+    for row in rows:
+        buf.add(**row, source=source, metadata=None)
+    summary.rewards += buf.flush()
+
+
+# ---------------------------------------------------------------- pass 2: episodes -> samples
+
+
+def _rebuild(con, retok, touched: set, policy, advantage: str, summary: Summary, progress) -> None:
+    con.execute("CREATE OR REPLACE TEMP TABLE affected (episode_id VARCHAR PRIMARY KEY)")
+    if touched:
+        con.register("_touched", pa.table({"episode_id": sorted(touched)}))
+        con.execute("INSERT OR IGNORE INTO affected SELECT episode_id FROM _touched")
+        con.unregister("_touched")
+    # episodes whose reward changed, and episodes never built (pending or dropped earlier)
+    con.execute(f"""
+        INSERT OR IGNORE INTO affected
+        SELECT n.episode_id FROM ({RESOLVED_REWARDS_SQL}) n LEFT JOIN old_rewards o USING (episode_id)
+        WHERE (o.reward IS DISTINCT FROM n.reward OR o.task_id IS DISTINCT FROM n.task_id)
+          AND n.episode_id IN (SELECT episode_id FROM call_tokens)""")
+    con.execute("""
+        INSERT OR IGNORE INTO affected SELECT DISTINCT episode_id FROM call_tokens
+        WHERE episode_id NOT IN (SELECT episode_id FROM episodes)""")
+    if policy is not None and policy.mode != "keep":
+        con.execute("INSERT OR IGNORE INTO affected SELECT episode_id FROM episodes WHERE reward IS NULL")
+    n_affected = con.execute("SELECT count(*) FROM affected").fetchone()[0]
+    rewards = {
+        e: (r, t)
+        for e, r, t in con.execute(
+            f"SELECT episode_id, reward, task_id FROM ({RESOLVED_REWARDS_SQL}) WHERE episode_id IN (SELECT episode_id FROM affected)"
+        ).fetchall()
+    }
+    info = {
+        e: (tc, run)
+        for e, tc, run in con.execute(
+            "SELECT episode_id, any_value(toolchain), any_value(run_id) FROM calls "
+            "WHERE episode_id IN (SELECT episode_id FROM affected) GROUP BY episode_id"
+        ).fetchall()
+    }
+    con.begin()
+    try:
+        con.execute("DELETE FROM samples WHERE episode_id IN (SELECT episode_id FROM affected)")
+        con.execute("DELETE FROM episodes WHERE episode_id IN (SELECT episode_id FROM affected)")
+        samples = store.Buffer(con, "samples", SAMPLE_COLUMNS)
+        episodes = store.Buffer(con, "episodes", EPISODE_COLUMNS)
+        owners = store.Buffer(con, "_owners", ["call_id", "sample_id"])
+        con.execute("CREATE OR REPLACE TEMP TABLE _owners (call_id VARCHAR, sample_id VARCHAR)")
+        now = datetime.now(timezone.utc)
+        done = 0
+        for episode_id, rows in _episode_rows(con):
+            done += 1
+            reward, task_id = rewards.get(episode_id, (None, None))
+            if reward is None:
+                summary.episodes_missing_reward += 1
+                if policy is None:
+                    summary.episodes_pending += 1
+                    continue
+                if policy.mode == "drop":
+                    summary.episodes_dropped += 1
+                    continue
+                reward = policy.value  # fill:<x>, or None for keep
+            toolchain, run_id = info.get(episode_id, (None, None))
+            _build_episode(
+                retok, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes, owners, summary
+            )
+            if samples.n >= FLUSH_EVERY:
+                samples.flush()
+            if progress:
+                progress("episodes", done, n_affected)
+        for b in (samples, episodes, owners):
+            b.flush()
+        con.execute(advantage_sql(advantage))
+        con.execute("""
+            UPDATE samples SET advantage = e.advantage, reward = e.reward, weight = e.weight
+            FROM episodes e WHERE samples.episode_id = e.episode_id
+              AND (samples.advantage IS DISTINCT FROM e.advantage OR samples.reward IS DISTINCT FROM e.reward)""")
+        con.execute("""
+            UPDATE calls SET sample_id = o.sample_id FROM _owners o WHERE calls.call_id = o.call_id""")
+        con.execute("""
+            UPDATE calls SET sample_id = NULL WHERE episode_id IN (SELECT episode_id FROM affected)
+              AND call_id NOT IN (SELECT call_id FROM _owners)""")
+        con.commit()
+    except BaseException:
+        con.rollback()
+        raise
+
+
+def _episode_rows(con) -> Iterable[tuple[str, list[dict[str, Any]]]]:
+    """Affected episodes' calls in start order, one episode at a time (streamed Arrow batches)."""
+    rel = con.sql("""
+        SELECT ct.* FROM call_tokens ct JOIN affected USING (episode_id)
+        ORDER BY ct.episode_id, ct.t_start NULLS LAST, ct.seq, ct.call_id""")
+    reader = (getattr(rel, "to_arrow_reader", None) or rel.fetch_arrow_reader)(1024)  # renamed in duckdb 1.4
+    current, rows = None, []
+    for batch in reader:
+        for row in batch.to_pylist():
+            if row["episode_id"] != current and rows:
+                yield current, rows
+                rows = []
+            current = row["episode_id"]
+            rows.append(row)
+    if rows:
+        yield current, rows
+
+
+def _build_episode(retok, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes, owners, summary):
+    calls = [
+        TreeCall(
+            call_id=r["call_id"],
+            prompt=np.asarray(r["prompt_ids"], dtype=np.int32),
+            completion=np.asarray(r["completion_ids"], dtype=np.int32),
+            logprobs=np.asarray(r["completion_logprobs"], dtype=np.float32) if r["completion_logprobs"] is not None else None,
+            token_source=r["token_source"],
+            conv_prefixes=r["conv_hashes"],
+            conv_end=r["conv_end"],
+        )
+        for r in rows
+    ]
+    parents = build_tree(calls)
+    drift: Counter = Counter()
+    for i, j in near_misses(calls, parents):
+        prev, cur = _classify_view(rows[j]), _classify_view(rows[i])
+        drift[classify(retok, prev, cur, rows[j]["prompt_ids"] + rows[j]["completion_ids"])] += 1
+    built = chains(calls, parents)
+    weight = 1.0 / len(built)
+    for n, s in enumerate(built):
+        sample_id = f"{episode_id}:{n}"
+        n_trainable = int(s.loss_mask.sum())
+        samples.add(
+            sample_id=sample_id, episode_id=episode_id, run_id=run_id, task_id=task_id, tokenizer=retok.name,
+            vocab_size=retok.vocab_size, token_source=s.token_source, input_ids=s.input_ids, loss_mask=s.loss_mask,
+            behaviour_logprobs=s.logprobs, n_tokens=len(s.input_ids), n_trainable=n_trainable, n_calls=len(s.path),
+            reward=reward, advantage=None, weight=weight, created_at=now,
+        )
+        for i in s.owned:
+            owners.add(call_id=calls[i].call_id, sample_id=sample_id)
+        summary.samples += 1
+        summary.tokens += len(s.input_ids)
+        summary.trainable_tokens += n_trainable
+    episodes.add(
+        episode_id=episode_id, run_id=run_id, task_id=task_id, toolchain=toolchain, n_calls=len(calls),
+        n_samples=len(built), reward=reward, weight=weight,
+        **{f"drift_{c}": drift[c] for c in DRIFT_CLASSES},
+    )
+    summary.drift.update(drift)
+    summary.episodes += 1
+
+
+def _classify_view(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "messages": json.loads(row["messages"]) if row["messages"] else None,
+        "tools": json.loads(row["tools"]) if row["tools"] else None,
+        "completion": json.loads(row["completion"]) if row["completion"] else None,
+        "strict_hashes": row["strict_hashes"],
+        "strict_end": row["strict_end"],
+        "prompt_ids": row["prompt_ids"],
+    }

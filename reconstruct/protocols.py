@@ -1,0 +1,558 @@
+"""Parse one recorded exchange (any protocol, streamed or not) into a canonical `Call`.
+
+The canonical form is OpenAI Chat shaped, because that is what Hugging Face chat templates consume:
+messages `{role, content: str, reasoning_content?, tool_calls?: [{id, type, function: {name,
+arguments: str}}], tool_call_id?}` and tools `{type: "function", function: {...}}`. Engine token ids
+(vLLM, SGLang, llama.cpp) are read from the engine side of the exchange when present.
+Anything that cannot become a call raises `Skip(reason, detail)`; the caller records it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+LLM_PROTOCOLS = ("chat", "completions", "responses", "anthropic")
+
+
+class Skip(Exception):
+    """A record that cannot become a training call; `reason` is a short class for the skipped table."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail[:500]
+
+
+@dataclass
+class Image:
+    sha256: str
+    mime: str | None
+    data: bytes
+
+
+@dataclass
+class Call:
+    """One LLM call in canonical form, with the engine's own token ids when it returned them."""
+
+    call_id: str
+    protocol: str
+    streamed: bool
+    status: int | None
+    messages: list[dict[str, Any]] | None  # None for the Completions protocol
+    tools: list[dict[str, Any]] | None
+    completion: dict[str, Any]  # canonical assistant message
+    prompt_text: str | None = None  # Completions protocol only
+    completion_text: str | None = None  # Completions protocol only
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    engine_prompt_ids: list[int] | None = None
+    engine_completion_ids: list[int] | None = None
+    engine_logprobs: list[float] | None = None
+    images: list[Image] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- record -> Call
+
+
+def parse_record(rec: dict[str, Any]) -> Call:
+    """Canonicalise an exchange record, or raise Skip."""
+    protocol = rec.get("protocol")
+    if protocol not in LLM_PROTOCOLS:
+        raise Skip("not_llm_call", f"protocol {protocol!r}")
+    if rec.get("error"):
+        raise Skip("proxy_error", str(rec["error"]))
+    if rec.get("complete") is False:
+        raise Skip("incomplete", "exchange did not finish (shutdown or disconnect)")
+    upstream = rec.get("upstream_request")
+    response = rec.get("response")
+    if not upstream or not response:
+        raise Skip("no_engine_exchange", "answered by the proxy or no response recorded")
+    translated = rec.get("translated")
+    engine_protocol = translated.get("to", "chat") if translated else protocol
+    status = response.get("status")
+    streamed = bool(response.get("streamed")) or response.get("chunks") is not None
+    raw = _response_bytes(response)
+    if status is None or status >= 400:
+        raise Skip("engine_error", f"HTTP {status}: {raw[:300].decode('utf-8', 'replace')}")
+    request = _json_body(upstream.get("body"), "request")
+    images: list[Image] = []
+    parser = _PARSERS.get(engine_protocol)
+    if parser is None:
+        raise Skip("unknown_protocol", f"engine protocol {engine_protocol!r}")
+    call = parser(rec, request, raw, streamed, images)
+    call.status = status
+    call.protocol = protocol  # what the client spoke; the engine side may have been translated to chat
+    call.images = images
+    return call
+
+
+def _response_bytes(response: dict[str, Any]) -> bytes:
+    chunks = response.get("chunks")
+    if chunks is not None:
+        return b"".join(bytes(c[1]) for c in chunks)
+    return bytes(response.get("body") or b"")
+
+
+def _json_body(body: Any, what: str) -> Any:
+    try:
+        return json.loads(body or b"")
+    except (ValueError, TypeError) as e:
+        raise Skip("non_json_body", f"{what} body is not JSON: {e}") from None
+
+
+def sse_events(raw: bytes) -> Iterator[tuple[str | None, str]]:
+    """Yield (event name, data) for each server-sent event; a torn last event is dropped."""
+    text = raw.decode("utf-8", "replace").replace("\r\n", "\n")
+    for block in text.split("\n\n"):
+        name, data = None, []
+        for line in block.split("\n"):
+            if line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+            elif line.startswith("event:"):
+                name = line[6:].strip()
+        if data:
+            yield name, "\n".join(data)
+
+
+def _sse_json(raw: bytes) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    for name, data in sse_events(raw):
+        if data.strip() == "[DONE]":
+            continue
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise Skip("non_json_body", f"SSE event is not JSON: {data[:200]}") from None
+        if name == "error" or (
+            isinstance(obj, dict) and (obj.get("type") == "error" or ("error" in obj and "type" not in obj))
+        ):
+            raise Skip("engine_error", f"error event in stream: {data[:300]}")
+        yield name, obj
+
+
+# ---------------------------------------------------------------- content helpers
+
+
+def _text_and_images(content: Any, images: list[Image]) -> str:
+    """Flatten str | list of parts (OpenAI, Anthropic, Responses) to text; images go to `images`."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content if isinstance(content, list) else [content]:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text"):
+            texts.append(part.get("text") or "")
+        elif kind in ("image_url", "input_image", "image"):
+            _collect_image(part, images)
+    return "\n".join(texts)
+
+
+def _collect_image(part: dict[str, Any], images: list[Image]) -> None:
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    source = part.get("source") or {}
+    mime, data = None, None
+    if source.get("type") == "base64":
+        mime, data = source.get("media_type"), base64.b64decode(source.get("data") or "")
+    elif isinstance(url, str) and url.startswith("data:") and "," in url:
+        head, payload = url[5:].split(",", 1)
+        mime = head.split(";")[0] or None
+        data = base64.b64decode(payload) if ";base64" in head else payload.encode()
+    elif isinstance(url, str) or source.get("url"):
+        mime, data = "text/uri-list", (url or source.get("url")).encode()
+    if data is not None:
+        images.append(Image(hashlib.sha256(data).hexdigest(), mime, data))
+
+
+def _tool_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def assistant_message(text: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+def _base(rec: dict[str, Any], protocol: str, streamed: bool) -> dict[str, Any]:
+    return {"call_id": str(rec.get("id")), "protocol": protocol, "streamed": streamed, "status": None}
+
+
+# ---------------------------------------------------------------- Chat Completions
+
+
+def _chat_messages(request: dict[str, Any], images: list[Image]) -> list[dict[str, Any]]:
+    out = []
+    for m in request.get("messages") or []:
+        role = m.get("role")
+        msg: dict[str, Any] = {
+            "role": "system" if role == "developer" else role,
+            "content": _text_and_images(m.get("content"), images),
+        }
+        reasoning = m.get("reasoning_content") or m.get("reasoning")
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [
+                _tool_call(tc.get("id"), tc["function"]["name"], tc["function"].get("arguments", ""))
+                for tc in m["tool_calls"]
+            ]
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def _chat_tools(request: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = [t for t in request.get("tools") or [] if t.get("type", "function") == "function"]
+    return tools or None
+
+
+def _logprob_values(lp: Any) -> tuple[list[float], list[int | None]]:
+    content = (lp or {}).get("content") or []
+    return [float(e.get("logprob", float("nan"))) for e in content], [e.get("id") for e in content]
+
+
+def _parse_chat(rec, request, raw, streamed, images) -> Call:
+    if streamed:
+        text, reasoning, calls_by_index, finish, usage = [], [], {}, None, {}
+        prompt_ids, comp_ids, logprobs, lp_ids, sgl = None, [], [], [], {}
+        saw_choice = False
+        for _, chunk in _sse_json(raw):
+            if chunk.get("prompt_token_ids") is not None and prompt_ids is None:
+                prompt_ids = chunk["prompt_token_ids"]
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("sglext"):
+                sgl.update(chunk["sglext"])
+            for choice in chunk.get("choices") or []:
+                if choice.get("index", 0) != 0:
+                    continue
+                saw_choice = True
+                delta = choice.get("delta") or {}
+                text.append(delta.get("content") or "")
+                reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+                for tc in delta.get("tool_calls") or []:
+                    slot = calls_by_index.setdefault(tc.get("index", 0), {"id": None, "name": "", "args": []})
+                    slot["id"] = tc.get("id") or slot["id"]
+                    fn = tc.get("function") or {}
+                    slot["name"] += fn.get("name") or ""
+                    slot["args"].append(fn.get("arguments") or "")
+                if choice.get("prompt_token_ids") is not None and prompt_ids is None:
+                    prompt_ids = choice["prompt_token_ids"]
+                comp_ids.extend(choice.get("token_ids") or [])
+                lps, ids = _logprob_values(choice.get("logprobs"))
+                logprobs.extend(lps)
+                lp_ids.extend(ids)
+                finish = choice.get("finish_reason") or finish
+        if not saw_choice:
+            raise Skip("no_choices", "stream carried no choices")
+        if finish is None:
+            raise Skip("truncated_stream", "stream ended without a finish_reason")
+        tool_calls = [
+            _tool_call(s["id"], s["name"], "".join(s["args"])) for _, s in sorted(calls_by_index.items())
+        ]
+        message = assistant_message("".join(text), "".join(reasoning) or None, tool_calls)
+    else:
+        body = _json_body(raw, "response")
+        if not isinstance(body, dict) or not body.get("choices"):
+            raise Skip("no_choices", f"response has no choices: {raw[:200]!r}")
+        choice = body["choices"][0]
+        m = choice.get("message") or {}
+        tool_calls = [
+            _tool_call(tc.get("id"), tc["function"]["name"], tc["function"].get("arguments", ""))
+            for tc in m.get("tool_calls") or []
+        ]
+        message = assistant_message(
+            m.get("content") or "", m.get("reasoning_content") or m.get("reasoning"), tool_calls
+        )
+        finish, usage, sgl = choice.get("finish_reason"), body.get("usage") or {}, body.get("sglext") or {}
+        prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
+        comp_ids = choice.get("token_ids") or []
+        logprobs, lp_ids = _logprob_values(choice.get("logprobs"))
+    prompt_ids = prompt_ids or sgl.get("input_ids")
+    comp_ids = comp_ids or sgl.get("output_ids") or []
+    if not comp_ids and lp_ids and all(i is not None for i in lp_ids):
+        comp_ids = lp_ids  # llama.cpp: ids only inside logprobs
+    return Call(
+        **_base(rec, "chat", streamed),
+        messages=_chat_messages(request, images),
+        tools=_chat_tools(request),
+        completion=message,
+        finish_reason=finish,
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+        engine_prompt_ids=list(prompt_ids) if prompt_ids else None,
+        engine_completion_ids=list(comp_ids) if comp_ids else None,
+        engine_logprobs=logprobs if comp_ids and len(logprobs) == len(comp_ids) else None,
+    )
+
+
+# ---------------------------------------------------------------- Completions
+
+
+def _parse_completions(rec, request, raw, streamed, images) -> Call:
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    prompt_ids = prompt if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt) else None
+    if prompt_ids is None and not isinstance(prompt, str):
+        raise Skip("unsupported_request", "completions prompt is neither text nor token ids")
+    text, comp_ids, logprobs, finish, usage = [], [], [], None, {}
+    bodies = [c for _, c in _sse_json(raw)] if streamed else [_json_body(raw, "response")]
+    saw_choice = False
+    for body in bodies:
+        if not isinstance(body, dict):
+            continue
+        usage = body.get("usage") or usage
+        for choice in body.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            saw_choice = True
+            text.append(choice.get("text") or "")
+            prompt_ids = prompt_ids or body.get("prompt_token_ids") or choice.get("prompt_token_ids")
+            comp_ids.extend(choice.get("token_ids") or [])
+            lp = choice.get("logprobs") or {}
+            logprobs.extend(float(x) for x in lp.get("token_logprobs") or [])
+            finish = choice.get("finish_reason") or finish
+    if not saw_choice:
+        raise Skip("no_choices", "completions response has no choices")
+    if streamed and finish is None:
+        raise Skip("truncated_stream", "stream ended without a finish_reason")
+    return Call(
+        **_base(rec, "completions", streamed),
+        messages=None,
+        tools=None,
+        completion=assistant_message("".join(text), None, []),
+        prompt_text=prompt if isinstance(prompt, str) else None,
+        completion_text="".join(text),
+        finish_reason=finish,
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+        engine_prompt_ids=list(prompt_ids) if prompt_ids else None,
+        engine_completion_ids=comp_ids or None,
+        engine_logprobs=logprobs if comp_ids and len(logprobs) == len(comp_ids) else None,
+    )
+
+
+# ---------------------------------------------------------------- Responses
+
+
+def _responses_items(items: Any, images: list[Image], out: list[dict[str, Any]]) -> None:
+    """Append canonical messages for Responses input/output items (calls merge into one assistant turn)."""
+    if isinstance(items, str):
+        out.append({"role": "user", "content": items})
+        return
+    pending_reasoning: list[str] = []
+
+    def open_assistant() -> dict[str, Any]:
+        if out and out[-1]["role"] == "assistant" and out[-1].get("_open"):
+            return out[-1]
+        msg: dict[str, Any] = {"role": "assistant", "content": "", "_open": True}
+        out.append(msg)
+        return msg
+
+    for item in items or []:
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            parts = item.get("summary") or []
+            parts += item.get("content") or []
+            pending_reasoning.append("\n".join(p.get("text", "") for p in parts if isinstance(p, dict)))
+            continue
+        if kind == "message" and item.get("role") == "assistant":
+            msg = open_assistant()
+            text = _text_and_images(item.get("content"), images)
+            msg["content"] = f"{msg['content']}{text}"
+        elif kind == "message":
+            role = item.get("role", "user")
+            out.append(
+                {"role": "system" if role == "developer" else role, "content": _text_and_images(item.get("content"), images)}
+            )
+            continue
+        elif kind == "function_call":
+            msg = open_assistant()
+            msg.setdefault("tool_calls", []).append(
+                _tool_call(item.get("call_id"), item.get("name", ""), item.get("arguments", ""))
+            )
+        elif kind == "function_call_output":
+            out.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text_and_images(item.get("output"), images)}
+            )
+            continue
+        else:
+            continue
+        if pending_reasoning:
+            msg["reasoning_content"] = "\n".join(pending_reasoning)
+            pending_reasoning = []
+    for m in out:
+        m.pop("_open", None)
+
+
+def _parse_responses(rec, request, raw, streamed, images) -> Call:
+    if streamed:
+        final, done_items = None, []
+        for name, ev in _sse_json(raw):
+            kind = ev.get("type") or name
+            if kind in ("response.completed", "response.incomplete"):
+                final = ev.get("response")
+            elif kind == "response.failed":
+                raise Skip("engine_error", json.dumps(ev.get("response", {}).get("error"))[:300])
+            elif kind == "response.output_item.done":
+                done_items.append(ev.get("item") or {})
+        if final is None:
+            raise Skip("truncated_stream", "stream ended without response.completed")
+        if not final.get("output"):
+            final["output"] = done_items
+    else:
+        final = _json_body(raw, "response")
+        if not isinstance(final, dict) or "output" not in final:
+            raise Skip("no_choices", "responses body has no output")
+    messages: list[dict[str, Any]] = []
+    if request.get("instructions"):
+        messages.append({"role": "system", "content": request["instructions"]})
+    _responses_items(request.get("input"), images, messages)
+    produced: list[dict[str, Any]] = []
+    _responses_items(final.get("output") or [], images, produced)
+    completion = produced[-1] if produced else assistant_message("", None, [])
+    tools = [
+        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+        for t in request.get("tools") or []
+        if t.get("type") == "function"
+    ]
+    usage = final.get("usage") or {}
+    has_calls = bool(completion.get("tool_calls"))
+    return Call(
+        **_base(rec, "responses", streamed),
+        messages=messages,
+        tools=tools or None,
+        completion=completion,
+        finish_reason="tool_calls" if has_calls else final.get("status"),
+        prompt_tokens=usage.get("input_tokens"),
+        completion_tokens=usage.get("output_tokens"),
+    )
+
+
+# ---------------------------------------------------------------- Anthropic Messages
+
+
+def _anthropic_messages(request: dict[str, Any], images: list[Image]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = request.get("system")
+    if system:
+        out.append({"role": "system", "content": _text_and_images(system, images)})
+    for m in request.get("messages") or []:
+        role, content = m.get("role"), m.get("content")
+        if isinstance(content, str) or role == "system":
+            out.append({"role": role, "content": _text_and_images(content, images)})
+            continue
+        if role == "assistant":
+            out.append(_anthropic_assistant(content or [], images))
+            continue
+        texts: list[dict[str, Any]] = []
+        for block in content or []:
+            if block.get("type") == "tool_result":
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block.get("tool_use_id"),
+                        "content": _text_and_images(block.get("content"), images),
+                    }
+                )
+            else:
+                texts.append(block)
+        if texts:
+            out.append({"role": role, "content": _text_and_images(texts, images)})
+    return out
+
+
+def _anthropic_assistant(blocks: list[dict[str, Any]], images: list[Image]) -> dict[str, Any]:
+    text, reasoning, calls = [], [], []
+    for b in blocks:
+        kind = b.get("type")
+        if kind == "text":
+            text.append(b.get("text") or "")
+        elif kind == "thinking":
+            reasoning.append(b.get("thinking") or "")
+        elif kind == "tool_use":
+            calls.append(_tool_call(b.get("id"), b.get("name", ""), b.get("input") or {}))
+    return assistant_message("".join(text), "".join(reasoning) or None, calls)
+
+
+def _parse_anthropic(rec, request, raw, streamed, images) -> Call:
+    if streamed:
+        blocks: dict[int, dict[str, Any]] = {}
+        partial: dict[int, list[str]] = {}
+        stop, usage, stopped = None, {}, False
+        for name, ev in _sse_json(raw):
+            kind = ev.get("type") or name
+            if kind == "message_start":
+                usage.update((ev.get("message") or {}).get("usage") or {})
+            elif kind == "content_block_start":
+                blocks[ev["index"]] = dict(ev.get("content_block") or {})
+                partial[ev["index"]] = []
+            elif kind == "content_block_delta":
+                b, d = blocks.setdefault(ev["index"], {}), ev.get("delta") or {}
+                if d.get("type") == "text_delta":
+                    b["text"] = b.get("text", "") + d.get("text", "")
+                elif d.get("type") == "thinking_delta":
+                    b["thinking"] = b.get("thinking", "") + d.get("thinking", "")
+                elif d.get("type") == "input_json_delta":
+                    partial.setdefault(ev["index"], []).append(d.get("partial_json", ""))
+            elif kind == "message_delta":
+                stop = (ev.get("delta") or {}).get("stop_reason") or stop
+                usage.update(ev.get("usage") or {})
+            elif kind == "message_stop":
+                stopped = True
+        if not stopped and stop is None:
+            raise Skip("truncated_stream", "stream ended without message_stop")
+        content = []
+        for i in sorted(blocks):
+            b = blocks[i]
+            if b.get("type") == "tool_use" and partial.get(i):
+                b["input"] = _json_body("".join(partial[i]).encode(), "tool_use input")
+            content.append(b)
+    else:
+        body = _json_body(raw, "response")
+        if not isinstance(body, dict) or body.get("type") == "error" or "content" not in body:
+            raise Skip("no_choices", f"anthropic body has no content: {raw[:200]!r}")
+        content, stop, usage = body["content"], body.get("stop_reason"), body.get("usage") or {}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"]},
+        }
+        for t in request.get("tools") or []
+        if "input_schema" in t and "name" in t
+    ]
+    return Call(
+        **_base(rec, "anthropic", streamed),
+        messages=_anthropic_messages(request, images),
+        tools=tools or None,
+        completion=_anthropic_assistant(content, images),
+        finish_reason=stop,
+        prompt_tokens=usage.get("input_tokens"),
+        completion_tokens=usage.get("output_tokens"),
+    )
+
+
+_PARSERS = {
+    "chat": _parse_chat,
+    "completions": _parse_completions,
+    "responses": _parse_responses,
+    "anthropic": _parse_anthropic,
+}

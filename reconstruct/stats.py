@@ -1,0 +1,42 @@
+"""Totals of a reconstruct database, for `openforge stats` and tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from reconstruct.trajectories import DRIFT_CLASSES
+
+
+def collect(db: str | Path) -> dict[str, Any]:
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        one = lambda q: con.execute(q).fetchone()  # noqa: E731
+        episodes, extra_chains = one("SELECT count(*), coalesce(sum(n_samples - 1), 0) FROM episodes")
+        calls, engine = one("SELECT count(*), count(*) FILTER (token_source = 'engine') FROM calls")
+        samples, tokens, trainable = one(
+            "SELECT count(*), coalesce(sum(n_tokens), 0), coalesce(sum(n_trainable), 0) FROM samples"
+        )
+        built_calls = one("SELECT coalesce(sum(n_calls), 0) FROM episodes")[0]
+        drift = one("SELECT " + ", ".join(f"coalesce(sum(drift_{c}), 0)" for c in DRIFT_CLASSES) + " FROM episodes")
+        classes = {c: int(n) for c, n in zip(DRIFT_CLASSES, drift) if n}
+        unclassified = int(extra_chains) - sum(classes.values())
+        if unclassified > 0:
+            classes["new conversation"] = unclassified  # subagents, compaction, retries
+        skipped = dict(con.execute("SELECT reason, count(*) FROM skipped GROUP BY reason ORDER BY 2 DESC").fetchall())
+        return {
+            "episodes": episodes,
+            "calls": calls,
+            "calls_with_engine_ids": engine,
+            "samples": samples,
+            "tokens": int(tokens),
+            "trainable_tokens": int(trainable),
+            "merge_ratio": (built_calls / samples) if samples else 0.0,
+            "branches": int(extra_chains),
+            "branches_by_class": classes,
+            "skipped": skipped,
+        }
+    finally:
+        con.close()

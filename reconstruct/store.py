@@ -1,0 +1,82 @@
+"""DuckDB side: apply the versioned schema, bulk-insert Arrow batches, remember ingested files."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+
+_I32_LIST = pa.list_(pa.int32())
+_U8_LIST = pa.list_(pa.uint8())
+_F32_LIST = pa.list_(pa.float32())
+_STR_LIST = pa.list_(pa.string())
+
+# Arrow types for the columns that are not plain scalars (scalars are inferred).
+COLUMN_TYPES: dict[str, pa.DataType] = {
+    "input_ids": _I32_LIST,
+    "loss_mask": _U8_LIST,
+    "behaviour_logprobs": _F32_LIST,
+    "prompt_ids": _I32_LIST,
+    "completion_ids": _I32_LIST,
+    "completion_logprobs": _F32_LIST,
+    "conv_hashes": _STR_LIST,
+    "strict_hashes": _STR_LIST,
+    "status": pa.int32(),
+    "prompt_tokens": pa.int32(),
+    "completion_tokens": pa.int32(),
+    "reward": pa.float64(),
+    "advantage": pa.float64(),
+    "t_start": pa.float64(),
+    "t_first_byte": pa.float64(),
+    "t_end": pa.float64(),
+    "seq": pa.int64(),
+}
+
+
+def schema_sql() -> str:
+    return resources.files("reconstruct").joinpath("schema.sql").read_text()
+
+
+def connect(db: str | Path) -> Any:
+    """Open (creating if needed) a database and apply the schema; refuse a newer schema version."""
+    import duckdb
+
+    con = duckdb.connect(str(db))
+    con.execute(schema_sql())
+    version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    if version != SCHEMA_VERSION:
+        con.close()
+        raise ValueError(f"{db}: schema version {version}, this reconstruct writes {SCHEMA_VERSION}")
+    return con
+
+
+class Buffer:
+    """Rows for one table, flushed as a single Arrow batch (`INSERT ... SELECT` from the batch)."""
+
+    def __init__(self, con: Any, table: str, columns: list[str], ignore_conflicts: bool = False) -> None:
+        self.con, self.table, self.columns = con, table, columns
+        self.ignore = ignore_conflicts
+        self.rows: dict[str, list[Any]] = {c: [] for c in columns}
+        self.n = 0
+
+    def add(self, **row: Any) -> None:
+        for c in self.columns:
+            self.rows[c].append(row.get(c))
+        self.n += 1
+
+    def flush(self) -> int:
+        if not self.n:
+            return 0
+        arrays = {c: pa.array(v, type=COLUMN_TYPES.get(c)) for c, v in self.rows.items()}
+        self.con.register("_openforge_batch", pa.table(arrays))
+        cols = ", ".join(self.columns)
+        verb = "INSERT OR IGNORE" if self.ignore else "INSERT"
+        self.con.execute(f"{verb} INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch")
+        self.con.unregister("_openforge_batch")
+        n, self.n = self.n, 0
+        self.rows = {c: [] for c in self.columns}
+        return n

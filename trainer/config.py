@@ -1,0 +1,149 @@
+"""Every training knob in one dataclass: defaults here, a TOML file on top, `--set key=value` last."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value a user must fix (unknown key, wrong type, out of range)."""
+
+
+@dataclass
+class TrainConfig:
+    # --- where things are
+    db: str = ""                      # DuckDB file written by `openforge reconstruct`
+    model: str = ""                   # local Hugging Face model directory (config + weights [+ tokenizer])
+    out: str = ""                     # checkpoints and metrics.jsonl go here
+    ref_model: str = ""               # frozen reference for the KL term; "" = the starting model
+
+    # --- which samples
+    where: str = ""                   # SQL filter on the samples table, e.g. "run_id = 'r1' AND reward > 0"
+    shuffle: bool = True              # deterministic shuffle by (seed, epoch); False = sample_id order
+    seed: int = 0
+
+    # --- batch shape (in tokens, so long and short samples cost what they weigh)
+    step_tokens: int = 65536          # global batch: samples are taken until their tokens reach this
+    row_tokens: int = 4096            # one packed row = one forward/backward; longest sample allowed
+    packing: bool = True              # False: one sample per row, padded to the row's longest (baseline)
+
+    # --- objective
+    objective: str = "ppo"            # ppo (GRPO/PPO clipped surrogate) | sft
+    clip_low: float = 0.2             # ratio lower bound 1 - clip_low
+    clip_high: float = 0.28           # ratio upper bound 1 + clip_high (asymmetric, "clip-higher")
+    is_cap: float = 2.0               # truncated importance sampling: ratio vs the engine never above this
+    kl_coef: float = 0.0              # > 0 loads a frozen reference model and adds coef * KL (k3)
+    aggregation: str = "token-mean"   # token-mean | seq-mean | episode-mean (uses samples.weight)
+
+    # --- optimisation
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.1         # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 0
+    steps: int = 0                    # optimizer steps; 0 = one pass over the selection (epochs)
+    epochs: int = 1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+
+    # --- bookkeeping
+    save_every: int = 0               # steps between checkpoints; 0 = only at the end
+    device: str = "auto"              # auto | cpu | cuda
+    progress: bool = True
+
+    def validate(self) -> "TrainConfig":
+        if self.objective not in ("ppo", "sft"):
+            raise ConfigError(f"objective must be 'ppo' or 'sft', not {self.objective!r}")
+        if self.aggregation not in ("token-mean", "seq-mean", "episode-mean"):
+            raise ConfigError(
+                f"aggregation must be token-mean, seq-mean or episode-mean, not {self.aggregation!r}"
+            )
+        if self.row_tokens < 2 or self.step_tokens < self.row_tokens:
+            raise ConfigError(
+                f"need 2 <= row_tokens <= step_tokens (got row_tokens={self.row_tokens}, "
+                f"step_tokens={self.step_tokens})"
+            )
+        if self.is_cap < 1.0:
+            raise ConfigError(f"is_cap must be >= 1 (got {self.is_cap})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """Convert a TOML value or a `--set` string to the type of the field's default."""
+    kind = type(default)
+    try:
+        if isinstance(value, str) and kind is not str:
+            if kind is bool:
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1", "yes")
+            if kind is tuple:
+                return tuple(float(v) for v in value.strip("()[] ").split(","))
+            return kind(value)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if kind is tuple and isinstance(value, list):
+            return tuple(float(v) for v in value)
+    except ValueError:
+        raise ConfigError(f"{name}: cannot read {value!r} as {kind.__name__}") from None
+    if not isinstance(value, kind):
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file (flat keys or a [train] table), then overrides (CLI)."""
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
+        values.update(data.get("train", data))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    defaults = TrainConfig()
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    cfg = TrainConfig(**{k: _coerce(k, v, getattr(defaults, k)) for k, v in values.items()})
+    return cfg.validate()
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """`["lr=1e-5", "where=reward > 0"]` -> {"lr": "1e-5", "where": "reward > 0"}."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        out[key.strip().replace("-", "_")] = value.strip()
+    return out
+
+
+def dump_toml(cfg: TrainConfig) -> str:
+    """The config as TOML, saved next to each checkpoint so a run can be repeated."""
+    lines = ["[train]"]
+    for k, v in cfg.to_dict().items():
+        if isinstance(v, bool):
+            lines.append(f"{k} = {'true' if v else 'false'}")
+        elif isinstance(v, (int, float)):
+            lines.append(f"{k} = {v!r}")
+        elif isinstance(v, (tuple, list)):
+            lines.append(f"{k} = [{', '.join(repr(x) for x in v)}]")
+        else:
+            lines.append(f'{k} = {_toml_str(v)}')
+    return "\n".join(lines) + "\n"
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,181 @@
+"""Samples from DuckDB, streamed in record batches and grouped into global batches by token count.
+
+One pass ("epoch") reads `samples` in a deterministic order (a seeded hash of sample_id, or sample_id
+itself), so every rank sees the same global batches and a run resumes from (epoch, offset) exactly.
+Only one global batch of rows is ever held in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+COLUMNS = "sample_id, episode_id, input_ids, loss_mask, behaviour_logprobs, advantage, reward, weight"
+ARROW_ROWS = 256  # rows per Arrow record batch fetched from DuckDB
+
+
+class DataError(ValueError):
+    """The selected samples cannot be trained on as asked; the message says what to change."""
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    episode_id: str
+    input_ids: np.ndarray            # int64 [n]
+    loss_mask: np.ndarray            # bool [n]; loss_mask[0] is always False (nothing predicts it)
+    behaviour_logprobs: np.ndarray | None  # float32 [n] or None when the engine gave none
+    advantage: float
+    reward: float | None
+    weight: float                    # 1 / n_samples of the episode
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the next global batch starts: samples already consumed in this epoch's order."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+class SampleSource:
+    """The selected samples of one DuckDB file (read-only: several ranks may open it at once)."""
+
+    def __init__(self, db: str, where: str = "", shuffle: bool = True, seed: int = 0) -> None:
+        try:
+            self.con = duckdb.connect(db, read_only=True)
+        except duckdb.Error as e:
+            raise DataError(f"cannot open DuckDB file {db}: {e}") from None
+        self.filter = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
+        self.shuffle, self.seed = shuffle, seed
+
+    def _order(self, epoch: int) -> str:
+        if not self.shuffle:
+            return "sample_id"
+        return f"hash(sample_id || ':{self.seed}:{epoch}'), sample_id"
+
+    def scalar(self, sql: str) -> tuple:
+        try:
+            return self.con.execute(sql).fetchone()
+        except duckdb.Error as e:
+            raise DataError(f"selection failed: {e}\n(the --where filter is SQL on the samples table)") from None
+
+    def check(self, row_tokens: int, needs_logprobs: bool, needs_advantage: bool) -> int:
+        """Fail early, with what to do, on selections that cannot train; returns the sample count."""
+        (n,) = self.scalar(f"SELECT count(*) FROM samples WHERE {self.filter}")
+        if n == 0:
+            (total,) = self.scalar("SELECT count(*) FROM samples")
+            raise DataError(
+                f"no samples selected (filter: {self.filter}); the table holds {total} samples. "
+                "Check --where, or run `openforge reconstruct` first."
+            )
+        too_long, longest = self.scalar(
+            f"SELECT count(*) FILTER (n_tokens > {row_tokens}), max(n_tokens) FROM samples WHERE {self.filter}"
+        )
+        if too_long:
+            raise DataError(
+                f"{too_long} of {n} selected samples are longer than row_tokens={row_tokens} "
+                f"(longest: {longest} tokens). Raise row_tokens (--set row_tokens={longest}) or leave them out "
+                f"(--where 'n_tokens <= {row_tokens}')."
+            )
+        for column, needed, why in (
+            ("behaviour_logprobs", needs_logprobs, "the ppo objective uses them as the old policy"),
+            ("advantage", needs_advantage, "the ppo objective needs a reward/advantage per sample"),
+        ):
+            if not needed:
+                continue
+            (missing,) = self.scalar(f"SELECT count(*) FROM samples WHERE {self.filter} AND {column} IS NULL")
+            if missing:
+                ids = [r[0] for r in self.con.execute(
+                    f"SELECT sample_id FROM samples WHERE {self.filter} AND {column} IS NULL "
+                    "ORDER BY sample_id LIMIT 5").fetchall()]
+                raise DataError(
+                    f"{missing} of {n} selected samples have no {column} ({why}): {', '.join(ids)}"
+                    f"{' ...' if missing > 5 else ''}. Leave them out (--where '{column} IS NOT NULL') "
+                    "or use --objective sft."
+                )
+        return n
+
+    def vocab_sizes(self) -> list[tuple[int, str]]:
+        return self.con.execute(
+            f"SELECT DISTINCT vocab_size, tokenizer FROM samples WHERE {self.filter} ORDER BY 1"
+        ).fetchall()
+
+    def lengths(self, epoch: int) -> Iterator[int]:
+        """Sample lengths in epoch order: enough to count steps without reading tokens."""
+        reader = self.con.execute(
+            f"SELECT n_tokens FROM samples WHERE {self.filter} ORDER BY {self._order(epoch)}"
+        ).to_arrow_reader(ARROW_ROWS * 16)
+        for batch in reader:
+            yield from batch.column(0).to_numpy().tolist()
+
+    def samples(self, epoch: int, offset: int = 0) -> Iterator[Sample]:
+        """Full samples in epoch order from `offset`, one Arrow record batch at a time."""
+        reader = self.con.execute(
+            f"SELECT {COLUMNS} FROM samples WHERE {self.filter} "
+            f"ORDER BY {self._order(epoch)} OFFSET {int(offset)}"
+        ).to_arrow_reader(ARROW_ROWS)
+        for batch in reader:
+            yield from _to_samples(batch)
+
+    def batches(self, step_tokens: int, start: Position, epochs: int) -> Iterator[tuple[list[Sample], Position]]:
+        """Global batches of at most `step_tokens` tokens, each with the position after it."""
+        for epoch in range(start.epoch, epochs):
+            offset = start.offset if epoch == start.epoch else 0
+            batch: list[Sample] = []
+            tokens = 0
+            for sample in self.samples(epoch, offset):
+                if batch and tokens + len(sample) > step_tokens:
+                    yield batch, Position(epoch, offset)
+                    batch, tokens = [], 0
+                batch.append(sample)
+                tokens += len(sample)
+                offset += 1
+            if batch:
+                yield batch, Position(epoch, offset)
+
+
+def count_steps(lengths: Iterator[int], step_tokens: int) -> int:
+    """How many global batches `SampleSource.batches` makes from these lengths (same greedy rule)."""
+    steps, tokens = 0, 0
+    for n in lengths:
+        if tokens and tokens + n > step_tokens:
+            steps, tokens = steps + 1, 0
+        tokens += n
+    return steps + (1 if tokens else 0)
+
+
+def _lists(column: pa.ListArray, dtype: type) -> list[np.ndarray | None]:
+    """Split an Arrow list column into numpy arrays without a Python loop over elements."""
+    values = column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    offsets = column.offsets.to_numpy()
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i]:offsets[i + 1]] if valid[i] else None for i in range(len(column))]
+
+
+def _to_samples(batch: pa.RecordBatch) -> Iterator[Sample]:
+    cols = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
+    ids = _lists(cols["input_ids"], np.int64)
+    masks = _lists(cols["loss_mask"], np.uint8)
+    logprobs = _lists(cols["behaviour_logprobs"], np.float32)
+    sample_ids = cols["sample_id"].to_pylist()
+    episode_ids = cols["episode_id"].to_pylist()
+    advantages = cols["advantage"].to_pylist()
+    rewards = cols["reward"].to_pylist()
+    weights = cols["weight"].to_pylist()
+    for i, sid in enumerate(sample_ids):
+        mask = masks[i].astype(bool)
+        mask[0] = False  # the first token has no prediction; in a packed row it would see the previous sample
+        if len(mask) != len(ids[i]) or (logprobs[i] is not None and len(logprobs[i]) != len(ids[i])):
+            raise DataError(f"sample {sid}: input_ids, loss_mask and behaviour_logprobs differ in length")
+        if logprobs[i] is not None and np.isnan(logprobs[i][mask]).any():
+            raise DataError(f"sample {sid}: behaviour_logprobs is NaN on trainable tokens")
+        yield Sample(sid, episode_ids[i], ids[i], mask, logprobs[i],
+                     advantages[i] if advantages[i] is not None else 0.0, rewards[i], weights[i])

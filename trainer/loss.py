@@ -1,0 +1,88 @@
+"""The objectives, on the trainable tokens of one row.
+
+Convention: logits at position i-1 predict input_ids[i]; `behaviour` at i is the engine's logprob of
+input_ids[i]; loss_mask[i] marks input_ids[i] as a trainable target. Each function returns the row's share
+of the global-batch loss (sum of coef * per-token loss) and a dict of *sums* so rows and ranks add up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.packing import Row
+
+
+def target_logprobs(logits: torch.Tensor, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the trainable targets (with grad) and the policy's entropy there (without).
+
+    Only trainable positions go through log_softmax, which keeps the [tokens, vocab] memory small.
+    """
+    sel = row.loss_mask[:, 1:]
+    logp_all = logits[:, :-1][sel].float().log_softmax(-1)
+    logp = logp_all.gather(-1, row.input_ids[:, 1:][sel][:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def targets(t: torch.Tensor, row: Row) -> torch.Tensor:
+    """A per-position tensor of the row restricted to the trainable targets (same order as logp)."""
+    return t[:, 1:][row.loss_mask[:, 1:]]
+
+
+def ppo_loss(
+    logp: torch.Tensor, behaviour: torch.Tensor, advantage: torch.Tensor, coef: torch.Tensor, cfg: TrainConfig,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO/PPO clipped surrogate against the engine's (behaviour) logprobs, with truncated IS.
+
+    ratio = pi_theta / pi_behaviour. Truncated importance sampling: a ratio above `is_cap` counts as
+    `is_cap` (its gradient is scaled to is_cap * grad log pi instead of ratio * grad log pi), which bounds
+    the variance that engine/trainer mismatch adds. The PPO clip [1 - clip_low, 1 + clip_high] then applies
+    as usual: no gradient where the surrogate is clipped.
+    """
+    log_ratio = logp - behaviour
+    ratio = torch.exp(log_ratio)
+    truncated = ratio.detach() > cfg.is_cap
+    ratio_t = torch.where(truncated, cfg.is_cap * torch.exp(logp - logp.detach()), ratio)
+    unclipped = ratio_t * advantage
+    clipped = torch.clamp(ratio_t, 1 - cfg.clip_low, 1 + cfg.clip_high) * advantage
+    per_token = -torch.minimum(unclipped, clipped)
+    policy = (per_token * coef).sum()
+    loss, kl = policy, torch.zeros((), device=logp.device)
+    if ref_logp is not None:
+        delta = ref_logp - logp  # k3 estimator of KL(pi_theta || pi_ref): unbiased, always >= 0
+        kl_tok = torch.exp(delta) - delta - 1
+        kl = (kl_tok * coef).sum()
+        loss = loss + cfg.kl_coef * kl
+    stats = {
+        "policy_loss": policy.item(),
+        "kl": kl.item(),
+        "is_ratio_sum": ratio.detach().sum().item(),
+        "is_ratio_max": ratio.detach().max().item() if ratio.numel() else 0.0,
+        "is_truncated": truncated.sum().item(),
+        "clipped": (clipped.detach() < unclipped.detach()).sum().item(),
+    }
+    return loss, stats
+
+
+def sft_loss(logp: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the trainable tokens (e.g. successful episodes only)."""
+    loss = -(logp * coef).sum()
+    return loss, {"policy_loss": loss.item(), "kl": 0.0, "is_ratio_sum": 0.0, "is_ratio_max": 0.0,
+                  "is_truncated": 0.0, "clipped": 0.0}
+
+
+def row_loss(logits: torch.Tensor, row: Row, cfg: TrainConfig, ref_logits: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The chosen objective on one row, plus token count and entropy sums for the step's metrics."""
+    logp, entropy = target_logprobs(logits, row)
+    coef = targets(row.coef, row)
+    if cfg.objective == "sft":
+        loss, stats = sft_loss(logp, coef)
+    else:
+        ref_logp = target_logprobs(ref_logits, row)[0] if ref_logits is not None else None
+        loss, stats = ppo_loss(logp, targets(row.behaviour, row), targets(row.advantage, row), coef, cfg, ref_logp)
+    stats |= {"loss": loss.item(), "trainable": float(logp.numel()), "entropy_sum": entropy.sum().item()}
+    return loss, stats

@@ -1,0 +1,76 @@
+"""Load the policy (and the frozen reference), check it matches the samples, shard it across ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from trainer.data import DataError
+
+
+def load_model(path: str, device: torch.device, grad_checkpointing: bool = False) -> torch.nn.Module:
+    """fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast/FSDP."""
+    if not (Path(path) / "config.json").is_file():
+        raise DataError(f"--model {path} is not a Hugging Face model directory (no config.json)")
+    attn = "sdpa"
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401  (variable-length kernels for packed rows)
+            attn = "flash_attention_2"
+        except ImportError:
+            pass
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    model.config.use_cache = False
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(device)
+
+
+# What makes a tokenizer in a HF directory: copied verbatim into checkpoints so engines load them as-is.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+def tokenizer_files(path: str | Path) -> list[Path]:
+    return [Path(path) / name for name in TOKENIZER_FILES if (Path(path) / name).is_file()]
+
+
+def tokenizer_vocab_size(path: str | Path) -> int | None:
+    """len(tokenizer) (added tokens included) from tokenizer.json; None if the directory has none."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer  # the Rust tokenizer alone: seconds faster than AutoTokenizer
+
+    return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+
+
+def check_vocab(model: torch.nn.Module, model_path: str, sample_vocabs: list[tuple[int, str]]) -> None:
+    """Samples tokenised for another model would train garbage (or index out of the embedding)."""
+    rows = model.get_input_embeddings().num_embeddings
+    tokenizer_size = tokenizer_vocab_size(model_path)
+    for vocab_size, name in sample_vocabs:
+        if vocab_size > rows:
+            raise DataError(
+                f"tokenizer/model mismatch: samples were tokenised with {name} (vocab_size {vocab_size}) "
+                f"but the model's embedding has only {rows} rows. Train the model the samples were made for."
+            )
+        if tokenizer_size is not None and vocab_size != tokenizer_size:
+            raise DataError(
+                f"tokenizer/model mismatch: samples were tokenised with {name} (vocab_size {vocab_size}) "
+                f"but the model directory's tokenizer has {tokenizer_size} tokens."
+            )
+
+
+def shard(model: torch.nn.Module, device: torch.device) -> None:
+    """FSDP2: each transformer block, then the root. bf16 compute on CUDA, fp32 gradient reduction."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    block_types = tuple(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in block_types:
+            fully_shard(module, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)

@@ -1,0 +1,126 @@
+"""Global batch -> this rank's share -> rows, each row one forward/backward.
+
+Packed rows hold several samples back to back with position ids restarting at 0 for each. Transformers
+turns restarting position ids (with no attention_mask) into "no attention across samples": a
+block-diagonal causal mask for sdpa/eager, variable-length kernels for flash-attention. So a packed row
+computes exactly what one-sample-per-row would, without pad tokens.
+
+The loss is aggregated over the *global* batch: every trainable token carries a coefficient `coef`
+(e.g. 1 / trainable tokens of the whole global batch for token-mean), so summing coef * loss over all
+rows of all ranks is the batch loss, whatever the packing and the number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.data import Sample
+
+
+@dataclass
+class Row:
+    input_ids: torch.Tensor        # long [B, T]
+    position_ids: torch.Tensor     # long [B, T]
+    attention_mask: torch.Tensor | None  # long [B, T] for padded rows; None for packed (positions say it)
+    loss_mask: torch.Tensor        # bool [B, T]
+    behaviour: torch.Tensor        # float [B, T]; 0 where unknown
+    advantage: torch.Tensor        # float [B, T]; the sample's advantage on each of its tokens
+    coef: torch.Tensor             # float [B, T]; aggregation weight of each trainable token
+    n_real: int                    # tokens that belong to samples (the rest is padding)
+
+    def to(self, device: torch.device) -> "Row":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Row(move(self.input_ids), move(self.position_ids), move(self.attention_mask),
+                   move(self.loss_mask), move(self.behaviour), move(self.advantage), move(self.coef), self.n_real)
+
+
+def coefficients(batch: list[Sample], aggregation: str) -> dict[str, float]:
+    """Per-sample weight of each trainable token so that the global batch loss is the chosen mean.
+
+    token-mean: every trainable token counts the same; seq-mean: every sample counts the same;
+    episode-mean: every episode counts the same (samples of a branched episode share it via `weight`).
+    """
+    n = {s.sample_id: int(s.loss_mask.sum()) for s in batch}
+    if aggregation == "token-mean":
+        total = sum(n.values())
+        return {s.sample_id: 1.0 / total for s in batch}
+    if aggregation == "seq-mean":
+        return {s.sample_id: 1.0 / (n[s.sample_id] * len(batch)) for s in batch}
+    total_weight = sum(s.weight for s in batch)
+    return {s.sample_id: s.weight / (n[s.sample_id] * total_weight) for s in batch}
+
+
+def shard(batch: list[Sample], rank: int, world_size: int) -> list[Sample]:
+    """This rank's disjoint share: longest first, each to the rank with the fewest tokens so far."""
+    load = [0] * world_size
+    mine = []
+    for s in sorted(batch, key=lambda s: (-len(s), s.sample_id)):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += len(s)
+        if r == rank:
+            mine.append(s)
+    return mine
+
+
+def plan_rows(samples: list[Sample], row_tokens: int, packing: bool) -> list[list[Sample]]:
+    """Group samples into rows of at most `row_tokens` tokens.
+
+    packing: first-fit decreasing, several samples per row. Otherwise length bucketing: samples sorted
+    by length, as many per row as fit when each is padded to the row's longest.
+    """
+    ordered = sorted(samples, key=lambda s: (-len(s), s.sample_id))
+    rows: list[list[Sample]] = []
+    if packing:
+        free: list[int] = []
+        for s in ordered:
+            i = next((i for i, f in enumerate(free) if f >= len(s)), None)
+            if i is None:
+                rows.append([]), free.append(row_tokens)
+                i = len(rows) - 1
+            rows[i].append(s)
+            free[i] -= len(s)
+        return rows
+    for s in ordered:  # longest first, so the first sample of a row is its width
+        if rows and len(rows[-1][0]) * (len(rows[-1]) + 1) <= row_tokens:
+            rows[-1].append(s)
+        else:
+            rows.append([s])
+    return rows
+
+
+def make_row(samples: list[Sample], coef: dict[str, float], packing: bool) -> Row:
+    """Tensors for one forward pass; an empty list gives a one-token row that trains nothing."""
+    if not samples:
+        one = torch.zeros(1, 1)
+        return Row(one.long(), one.long(), None, one.bool(), one, one, one, 0)
+    if packing:
+        cat = lambda xs: torch.from_numpy(np.concatenate(xs))[None]  # noqa: E731
+        parts = [_sample_arrays(s, coef[s.sample_id]) for s in samples]
+        ids, mask, beh, adv, cf = (cat([p[k] for p in parts]) for k in range(5))
+        pos = cat([np.arange(len(s)) for s in samples])
+        return Row(ids, pos, None, mask, beh, adv, cf, ids.shape[1])
+    width = max(len(s) for s in samples)
+    padded = []
+    for s in samples:
+        arrays = _sample_arrays(s, coef[s.sample_id])
+        pad = width - len(s)
+        padded.append([np.pad(a, (0, pad)) for a in arrays])  # pad id 0: masked out of attention and loss
+    ids, mask, beh, adv, cf = (torch.from_numpy(np.stack([p[k] for p in padded])) for k in range(5))
+    attn = torch.from_numpy(np.stack([np.arange(width) < len(s) for s in samples])).long()
+    pos = torch.arange(width).expand(len(samples), width).clone()
+    return Row(ids, pos, attn, mask, beh, adv, cf, sum(len(s) for s in samples))
+
+
+def _sample_arrays(s: Sample, coef: float) -> tuple[np.ndarray, ...]:
+    n = len(s)
+    behaviour = s.behaviour_logprobs if s.behaviour_logprobs is not None else np.zeros(n, np.float32)
+    return (
+        s.input_ids,
+        s.loss_mask,
+        np.where(s.loss_mask, behaviour, 0.0).astype(np.float32),
+        np.full(n, s.advantage, np.float32),
+        np.where(s.loss_mask, coef, 0.0).astype(np.float32),
+    )

@@ -1,0 +1,195 @@
+"""The training loop. One process: `openforge train ...`; several: `torchrun --nproc_per_node N`.
+
+Every rank reads the same global batch (a token budget of samples), trains on its own disjoint share,
+and FSDP2 (CUDA: NCCL, bf16 compute; CPU: gloo, fp32) keeps the ranks' weights in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainer import checkpoint
+from trainer.config import TrainConfig
+from trainer.data import Position, Sample, SampleSource, count_steps
+from trainer.loss import row_loss
+from trainer.model import check_vocab, load_model, shard
+from trainer.packing import Row, coefficients, make_row, plan_rows
+from trainer.packing import shard as share_of
+
+
+def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.nn.Module | None = None
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """One forward pass of a row and its loss (the reference model runs without grad)."""
+    autocast = torch.autocast("cuda", torch.bfloat16) if row.input_ids.is_cuda else contextlib.nullcontext()
+    inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask)
+    with autocast:
+        logits = model(**inputs).logits
+        with torch.no_grad():
+            ref_logits = ref(**inputs).logits if ref is not None else None
+    return row_loss(logits, row, cfg, ref_logits)
+
+
+def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print) -> Path:
+    """Train on the selected samples; returns the final checkpoint directory."""
+    # --- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain run is rank 0 of 1
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    master = rank == 0
+
+    # --- data, model, optimizer (and, with --resume, where the last run stopped)
+    source = SampleSource(cfg.db, cfg.where, cfg.shuffle, cfg.seed)
+    n_samples = source.check(cfg.row_tokens, needs_logprobs=cfg.objective == "ppo",
+                             needs_advantage=cfg.objective == "ppo")
+    ckpt = checkpoint.latest(cfg.out) if resume else None
+    if resume and ckpt is None and master:
+        say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
+    model_dir = str(ckpt or cfg.model)
+    model = load_model(model_dir, device, cfg.grad_checkpointing)
+    check_vocab(model, model_dir, source.vocab_sizes())
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = load_model(cfg.ref_model or cfg.model, device).eval().requires_grad_(False)
+    if world_size > 1:
+        shard(model, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    total_steps = cfg.steps or sum(count_steps(source.lengths(e), cfg.step_tokens) for e in range(cfg.epochs))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+    step, position = checkpoint.restore(ckpt, model, optimizer, scheduler) if ckpt else (0, Position())
+    metrics_path = Path(cfg.out) / "metrics.jsonl"
+    if master:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        keep_metrics_until(metrics_path, step)
+        say(f"{n_samples} samples, {total_steps} steps of <= {cfg.step_tokens} tokens, {world_size} rank(s) "
+            f"on {device.type}, objective {cfg.objective}, starting at step {step}")
+
+    progress = ProgressBar(cfg.progress and master, total_steps, step)
+    epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
+    batches = source.batches(cfg.step_tokens, position, epochs)
+    with progress:
+        for batch, next_position in batches:
+            if step >= total_steps:
+                break
+            # --- one optimizer step on one global batch
+            t0 = time.perf_counter()
+            coef = coefficients(batch, cfg.aggregation)
+            rows = plan_rows(share_of(batch, rank, world_size), cfg.row_tokens, cfg.packing)
+            n_rows = reduce_max(len(rows), device)  # every rank runs as many passes (FSDP collectives)
+            sums, is_max = Counter(), 0.0
+            for i in range(n_rows):
+                row = make_row(rows[i] if i < len(rows) else [], coef, cfg.packing).to(device)
+                loss, stats = forward_loss(model, row, cfg, ref)
+                (loss * world_size).backward()  # FSDP averages over ranks; coef already divides by the batch
+                is_max = max(is_max, stats.pop("is_ratio_max"))
+                sums.update(stats | {"tokens": row.n_real, "computed": row.input_ids.numel()})
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step, position = step + 1, next_position
+
+            # --- log, checkpoint
+            record = step_metrics(step, position, batch, sums, is_max, grad_norm, scheduler.get_last_lr()[0],
+                                  time.perf_counter() - t0, device)
+            if master:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                progress.advance(record)
+            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
+                checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
+    final = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
+    if master:
+        say(f"saved {final}")
+    if world_size > 1:
+        dist.destroy_process_group()
+    return final
+
+
+def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def reduce_max(n: int, device: torch.device) -> int:
+    if not dist.is_initialized():
+        return n
+    t = torch.tensor(n, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def step_metrics(step: int, position: Position, batch: list[Sample], sums: Counter, is_max: float,
+                 grad_norm: torch.Tensor, lr: float, seconds: float, device: torch.device) -> dict[str, float]:
+    """One JSONL record: per-rank sums reduced over ranks, then turned into means and fractions."""
+    keys = sorted(sums)
+    totals = torch.tensor([float(sums[k]) for k in keys] + [is_max], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(totals[:-1])
+        dist.all_reduce(totals[-1:], op=dist.ReduceOp.MAX)
+    s = dict(zip(keys + ["is_ratio_max"], totals.tolist()))
+    n = max(s["trainable"], 1.0)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    advantages = torch.tensor([x.advantage for x in batch], dtype=torch.float64)
+    rewards = [x.reward for x in batch if x.reward is not None]
+    return {
+        "step": step, "epoch": position.epoch, "lr": lr,
+        "loss": s["loss"], "policy_loss": s["policy_loss"], "kl": s["kl"], "entropy": s["entropy_sum"] / n,
+        "clip_frac": s["clipped"] / n, "is_ratio_mean": s["is_ratio_sum"] / n, "is_ratio_max": s["is_ratio_max"],
+        "is_truncated_frac": s["is_truncated"] / n, "grad_norm": float(grad_norm),
+        "samples": len(batch), "tokens": int(s["tokens"]), "trainable_tokens": int(s["trainable"]),
+        "real_token_share": s["tokens"] / max(s["computed"], 1.0), "tokens_per_s": s["tokens"] / seconds,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "advantage_mean": advantages.mean().item(),
+        "advantage_std": advantages.std().item() if len(batch) > 1 else 0.0,
+    }
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """On resume, drop metrics of steps after the checkpoint (they will be recomputed)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in lines))
+
+
+class ProgressBar:
+    """A rich progress bar with the last loss, or nothing (other ranks, --no-progress)."""
+
+    def __init__(self, enabled: bool, total: int, done: int) -> None:
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                TextColumn("{task.fields[info]}"))
+            self.task = self.bar.add_task("train", total=total, completed=done, info="")
+
+    def __enter__(self) -> "ProgressBar":
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar:
+            self.bar.stop()
+
+    def advance(self, record: dict) -> None:
+        if self.bar:
+            info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
+            self.bar.update(self.task, advance=1, info=info)
