@@ -53,16 +53,25 @@ class OpenForge:
         self._upstream_ok_at = float("-inf")
         self._proxy_users: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._running = False
+        self._load_error: str | None = None
 
     # -- options -------------------------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
+        # A `--set` given twice makes mitmproxy drop this whole script without a word; catch it first.
+        deferred = getattr(loader.master.options, "deferred", {})
         for spec in options.SPECS:
+            values = getattr(deferred.get(spec.name), "val", None)
+            if isinstance(values, list) and len(values) > 1:
+                self._load_error = f"{spec.name} is set {len(values)} times; set it once"
+                deferred[spec.name] = type(deferred[spec.name])(values[-1:])
             loader.add_option(spec.name, str, spec.default(), spec.help)
 
     def configure(self, updated: set[str]) -> None:
         if not updated & options.NAMES:
             return
         try:
+            if self._load_error:
+                raise options.BadOption(self._load_error)
             new = options.parse({name: getattr(ctx.options, name) for name in options.NAMES})
         except options.BadOption as e:
             if self._running:

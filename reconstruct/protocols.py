@@ -108,7 +108,8 @@ def _json_body(body: Any, what: str) -> Any:
 def sse_events(raw: bytes) -> Iterator[tuple[str | None, str]]:
     """Yield (event name, data) for each server-sent event; a torn last event is dropped."""
     text = raw.decode("utf-8", "replace").replace("\r\n", "\n")
-    for block in text.split("\n\n"):
+    blocks = text.split("\n\n")
+    for block in blocks[:-1]:  # the last block is either empty or an event cut short
         name, data = None, []
         for line in block.split("\n"):
             if line.startswith("data:"):
@@ -260,7 +261,7 @@ def _parse_chat(rec, request, raw, streamed, images) -> Call:
                 logprobs.extend(lps)
                 lp_ids.extend(ids)
                 finish = choice.get("finish_reason") or finish
-        if not saw_choice:
+        if not saw_choice and raw.rstrip().endswith(b"[DONE]"):
             raise Skip("no_choices", "stream carried no choices")
         if finish is None:
             raise Skip("truncated_stream", "stream ended without a finish_reason")

@@ -110,7 +110,7 @@ class SampleSource:
 
     def lengths(self, epoch: int) -> Iterator[int]:
         """Sample lengths in epoch order: enough to count steps without reading tokens."""
-        reader = self.con.execute(
+        reader = self.con.sql(
             f"SELECT n_tokens FROM samples WHERE {self.filter} ORDER BY {self._order(epoch)}"
         ).to_arrow_reader(ARROW_ROWS * 16)
         for batch in reader:
@@ -118,7 +118,7 @@ class SampleSource:
 
     def samples(self, epoch: int, offset: int = 0) -> Iterator[Sample]:
         """Full samples in epoch order from `offset`, one Arrow record batch at a time."""
-        reader = self.con.execute(
+        reader = self.con.sql(
             f"SELECT {COLUMNS} FROM samples WHERE {self.filter} "
             f"ORDER BY {self._order(epoch)} OFFSET {int(offset)}"
         ).to_arrow_reader(ARROW_ROWS)

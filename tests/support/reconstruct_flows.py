@@ -57,7 +57,8 @@ class FlowFactory:
     def __init__(self, directory: Path, seed: int = 0, tokenizer: Any = None) -> None:
         self.tok = tokenizer or qwen_tokenizer()
         self.writer = FlowWriter(Path(directory), uuid.uuid4().hex[:8])
-        self.rng = random.Random(seed)
+        self.rng = random.Random(seed)  # content: the same seed gives the same conversations
+        self.wire_rng = random.Random(seed + 1)  # byte splits: depend on the encoding, kept apart from content
         self.seq = 0
         self.t = 1_700_000_000.0
         self.completions: list[list[int]] = []  # engine completion ids of every exchange written
@@ -114,7 +115,7 @@ class FlowFactory:
             deltas.append({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
                                            "function": {"name": tc["function"]["name"], "arguments": args[:half]}}]})
             deltas.append({"tool_calls": [{"index": i, "function": {"arguments": args[half:]}}]})
-        cuts = sorted(self.rng.sample(range(1, len(ids)), min(len(deltas), len(ids) - 1))) if len(ids) > 1 else []
+        cuts = sorted(self.wire_rng.sample(range(1, len(ids)), min(len(deltas), len(ids) - 1))) if len(ids) > 1 else []
         pieces = [ids[a:b] for a, b in zip([0] + cuts, cuts + [len(ids)])]
         events = []
         for n, delta in enumerate(deltas + [{}]):
@@ -138,7 +139,7 @@ class FlowFactory:
                 events[-1]["choices"][0]["logprobs"]["content"] += [{"token": str(i), "logprob": lp} for i, lp in zip(rest, lps[-len(rest):])]
         events.append({"id": "chatcmpl-x", "object": "chat.completion.chunk", "choices": [], "usage": usage})
         stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-        offsets = sorted(self.rng.sample(range(1, len(stream)), 5))
+        offsets = sorted(self.wire_rng.sample(range(1, len(stream)), 5))
         return [[self.t, stream[a:b]] for a, b in zip([0] + offsets, offsets + [len(stream)])]
 
     def _exchange(self, protocol, body, upstream, response, episode, engine_ids) -> dict[str, Any]:

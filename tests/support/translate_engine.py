@@ -25,7 +25,8 @@ def _ids(text: str) -> list[int]:
 
 
 def vllm_chunks(deltas: list[dict], finish: str, *, prompt_tokens: int = 40, cached: int = 16,
-                usage: bool = True, stop_reason: Any = None, chat_id: str = "chatcmpl-7f3a") -> list[dict]:
+                usage: bool = True, stop_reason: Any = None, chat_id: str = "chatcmpl-7f3a",
+                logprobs: bool = True) -> list[dict]:
     """One chunk per delta (content / reasoning_content / tool_calls), then finish, then usage."""
     base = {"id": chat_id, "object": "chat.completion.chunk", "created": 1760000000, "model": "local-model"}
     chunks: list[dict] = [{**base, "prompt_token_ids": list(range(prompt_tokens)),
@@ -36,9 +37,9 @@ def vllm_chunks(deltas: list[dict], finish: str, *, prompt_tokens: int = 40, cac
         text = delta.get("content") or delta.get("reasoning_content") or json.dumps(delta.get("tool_calls"))
         ids = _ids(text)[:3] or [7]
         completion += len(ids)
-        logprobs = {"content": [{"token": f"token_id:{i}", "logprob": -0.25, "bytes": None, "top_logprobs": []}
-                                for i in ids]}
-        chunks.append({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+        lp = {"content": [{"token": f"token_id:{i}", "logprob": -0.25, "bytes": None, "top_logprobs": []}
+                          for i in ids]} if logprobs else None
+        chunks.append({**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                             "finish_reason": None, "token_ids": ids}]})
     chunks.append({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish,
                                         "stop_reason": stop_reason, "token_ids": [2]}]})
