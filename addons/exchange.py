@@ -20,7 +20,7 @@ class Exchange:
         "id", "seq", "proxy", "t_start", "t_first_byte", "t_end", "episode", "episode_source", "role",
         "toolchain", "protocol", "model", "upstream_model", "engine_profile", "client_request",
         "upstream_request", "injected", "translated", "client_body", "chunks", "client_chunks", "streamed",
-        "rewriter", "translator", "error", "path",
+        "rewriter", "translator", "error", "path", "written",
     )
 
     def __init__(self, seq: int, proxy: str, t_start: float, protocol: str, path: str) -> None:
@@ -50,6 +50,7 @@ class Exchange:
         self.rewriter: profiles.SseStripper | None = None
         self.translator: Any = None
         self.error: str | None = None
+        self.written = False
 
     # -- streaming -----------------------------------------------------------------------------------
     def on_chunk(self, data: bytes) -> bytes | list[bytes]:

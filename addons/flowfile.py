@@ -117,8 +117,10 @@ class FlowFile:
             unpacker = msgpack.Unpacker(
                 f, raw=False, strict_map_key=False, max_buffer_size=MAX_RECORD_BYTES
             )
+            end = 0  # offset after the last complete object (tell() also counts a torn object's first bytes)
             try:
                 for obj in unpacker:
+                    end = unpacker.tell()
                     if not isinstance(obj, dict) or "type" not in obj:
                         self.error = f"not a flow record at offset {unpacker.tell()}"
                         return
@@ -134,7 +136,7 @@ class FlowFile:
             except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
                 self.error = f"corrupt data after byte {unpacker.tell()}: {e}"
                 return
-            if unpacker.tell() < self.n_bytes:
+            if end < self.n_bytes:
                 self.torn_tail = True
             if self.header is None and self.error is None:
                 self.error = "empty or unreadable: no header record"

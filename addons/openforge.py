@@ -47,7 +47,7 @@ class OpenForge:
         self.instance = secrets.token_hex(4)
         self.started = time.time()
         self._seq = itertools.count(1)
-        self._inflight: dict[str, Exchange] = {}
+        self._inflight: dict[str, http.HTTPFlow] = {}  # exchange id -> flow
         self._profile: str | None = None
         self._detecting: asyncio.Future[str | None] | None = None
         self._upstream_ok_at = float("-inf")
@@ -114,11 +114,13 @@ class OpenForge:
 
     def done(self) -> None:
         """Shutdown: write the exchanges still in flight as incomplete, then close the file."""
-        for ex in list(self._inflight.values()):
+        for flow in list(self._inflight.values()):
+            ex: Exchange = flow.metadata[META]
             ex.error = ex.error or "proxy shut down while the exchange was in flight"
-            self._write(ex, None, complete=False)
+            self._write(ex, self._response_map(flow, None, ex) if flow.response else None, complete=False)
         if self.writer is not None:
             self.writer.close()
+            self.writer = None  # late error hooks of those flows must not open a new file
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -164,9 +166,13 @@ class OpenForge:
         if ex is None or flow.response is None:
             return
         ex.t_first_byte = flow.response.timestamp_start or time.time()
-        if ex.upstream_request is not None:
+        if ex.protocol == "other":  # passed through as the client sent it (credentials swapped if direct)
+            req = flow.request
+            ex.upstream_request = request_map(req.method, req.url, req.headers, req.raw_content)
+        s = self.settings
+        if s is not None and (flow.request.host, flow.request.port) == (s.upstream_host, s.upstream_port):
             self._upstream_ok_at = time.monotonic()
-            self._hide_key(flow)
+        self._hide_key(flow)
         if ex.protocol == "other" or not flow.response.headers.get("content-type", "").startswith(
             "text/event-stream"
         ):
@@ -248,7 +254,7 @@ class OpenForge:
 
     def _track(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         flow.metadata[META] = ex
-        self._inflight[ex.id] = ex
+        self._inflight[ex.id] = flow
 
     def _is_direct(self, flow: http.HTTPFlow) -> bool:
         """Addressed to the proxy itself (reverse mode, or a base URL pointing here) rather than proxied."""
@@ -456,6 +462,9 @@ class OpenForge:
     # -- output --------------------------------------------------------------------------------------------
     def _write(self, ex: Exchange, response: dict[str, Any] | None, complete: bool,
                client_response: dict[str, Any] | None = None, has_ids: bool = False) -> None:
+        if ex.written:  # at shutdown, before mitmproxy's own error hook for the same flow
+            return
+        ex.written = True
         self._inflight.pop(ex.id, None)
         if ex.t_end is None:
             ex.t_end = time.time()

@@ -128,10 +128,8 @@ def parse(values: dict[str, str]) -> Settings:
 
     def get(name: str) -> str:
         spec = next(s for s in SPECS if s.name == name)
-        value = values.get(name) or ""
-        if not value and spec.secret:
-            value = os.environ.get(spec.env, "")
-        return value.strip() if not spec.secret else value
+        value = values.get(name) or os.environ.get(spec.env) or spec.builtin
+        return value if spec.secret else value.strip()
 
     url = get("openforge_upstream_url")
     if not url:

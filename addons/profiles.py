@@ -109,10 +109,11 @@ class SseStripper:
             out, self.buf = self.buf, b""
             return self._rewrite(out) if out else b""
         buf = self.buf + data if self.buf else data
-        end = max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4)
-        if end < 2:  # no complete event yet (a rfind of -1 gives 1 and 3)
+        lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+        if lf < 0 and crlf < 0:  # no complete event yet
             self.buf = buf
             return b""
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
         self.buf = buf[end:]
         return self._rewrite(buf[:end])
 

@@ -67,7 +67,7 @@ class MitmFile:
                     if not isinstance(flow, http.HTTPFlow):
                         continue
                     self.n_records += 1
-                    yield _record(flow)
+                    yield {**_record(flow), "seq": self.n_records}
             except FlowReadException as e:
                 self.error = f"mitmproxy flow file unreadable: {e}"
         if not self.file_id and self.error is None:
@@ -110,5 +110,4 @@ def _record(flow: Any) -> dict[str, Any]:
         "upstream_request": request,
         "response": response,
         "error": flow.error.msg if flow.error else None,
-        "seq": 0,
     }

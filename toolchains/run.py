@@ -117,7 +117,9 @@ def invocation(
             json.dumps({"privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False}})
         )
         env["PATH"] = f"{NODE24_BIN}:{env.get('PATH', '')}"
-        env.update(OPENAI_API_KEY=api_key, OPENAI_MODEL=model)
+        # It re-executes itself once at start (only to add --expose-gc): skip that; cache compiled code.
+        env.update(OPENAI_API_KEY=api_key, OPENAI_MODEL=model, QWEN_CODE_NO_RELAUNCH="true",
+                   NODE_COMPILE_CACHE=str(TOOLS / "node-compile-cache"))
         if base_url:
             env["OPENAI_BASE_URL"] = f"{base_url}/v1"
         argv = [str(QWEN), "--auth-type", "openai", "--yolo", "-o", "json", task]

@@ -31,7 +31,9 @@ def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.
                  ) -> tuple[torch.Tensor, dict[str, float]]:
     """One forward pass of a row and its loss (the reference model runs without grad)."""
     autocast = torch.autocast("cuda", torch.bfloat16) if row.input_ids.is_cuda else contextlib.nullcontext()
-    inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask)
+    # use_cache=False matters: with a cache, transformers ignores restarting position ids (no packing mask)
+    inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+                  use_cache=False)
     with autocast:
         logits = model(**inputs).logits
         with torch.no_grad():

@@ -84,7 +84,8 @@ def run_cli(
     (work / MARKER).write_text("marker\n")
     confdir = scratch / "mitmconf"
     if forward:
-        proxy = start_proxy(engine.url, *proxy_sets, confdir=confdir)
+        # vendor calls that are not LLM calls (settings, telemetry) get a quick 403 instead of a DNS failure
+        proxy = start_proxy(engine.url, "openforge_block_other=true", *proxy_sets, confdir=confdir)
         user = f"{episode}:x@" if episode else ""
         kwargs: dict[str, Any] = {"proxy": f"http://{user}127.0.0.1:{proxy.port}",
                                   "ca_cert": confdir / "mitmproxy-ca-cert.pem"}

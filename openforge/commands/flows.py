@@ -1,0 +1,97 @@
+"""`openforge flows show`: what a flow file holds, for people (a table) and scripts (`--json`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import typer
+
+flows_app = typer.Typer(help="Inspect flow files written by the proxy (docs/flow-format.md).",
+                        no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(flows_app, name="flows")
+
+
+def summary(record: dict[str, Any]) -> dict[str, Any]:
+    """The per-record fields `--json` prints (stable keys for scripts)."""
+    if record.get("type") == "reward":
+        return {"type": "reward", "id": record.get("id"), "episode": record.get("episode"),
+                "reward": record.get("reward"), "task_id": record.get("task_id")}
+    request = record.get("client_request") or {}
+    response = record.get("response") or {}
+    return {
+        "type": "exchange",
+        "id": record.get("id"),
+        "episode": record.get("episode"),
+        "role": record.get("role"),
+        "toolchain": record.get("toolchain"),
+        "protocol": record.get("protocol"),
+        "path": urlsplit(request.get("url") or "").path,
+        "model": record.get("model"),
+        "status": response.get("status"),
+        "complete": record.get("complete"),
+        "streamed": bool(response.get("streamed")),
+        "has_token_ids": record.get("has_token_ids"),
+        "translated": bool(record.get("translated")),
+        "error": record.get("error"),
+    }
+
+
+@flows_app.command("show")
+def show(
+    files: list[Path] = typer.Argument(..., help="Flow files or directories (searched for *.flows)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per record on stdout, for scripts."),
+) -> None:
+    """Summarise each record (episode, role, toolchain, protocol, path, status, complete, streamed, token ids,
+    error) and report torn tails or corruption. Exits 1 if a file is unreadable."""
+    from addons.flowfile import UnsupportedVersion, expand_paths, open_flow_file
+
+    paths = expand_paths(list(files))
+    missing = [p for p in paths if not p.is_file()]
+    if missing or not paths:
+        typer.echo(f"error: no such flow file: {missing[0] if missing else files[0]}", err=True)
+        raise typer.Exit(2)
+    if not as_json:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(highlight=False)
+    bad = False
+    for path in paths:
+        ff = open_flow_file(path)
+        try:
+            rows = [summary(r) for r in ff.records()]
+        except UnsupportedVersion as e:
+            typer.echo(f"error: {e}", err=True)
+            bad = True
+            continue
+        if as_json:
+            for row in rows:
+                typer.echo(json.dumps({"file": str(path), **row}))
+        else:
+            table = Table(title=f"{path.name}  ({len(rows)} records, file id {ff.file_id})", title_justify="left")
+            for col in ("episode", "role", "toolchain", "protocol", "path", "status", "complete", "streamed",
+                        "ids", "error"):
+                table.add_column(col, overflow="fold")
+            for r in rows:
+                if r["type"] == "reward":
+                    table.add_row(r["episode"], "", "", "reward", "", f"{r['reward']:g}", "", "", "", "")
+                    continue
+                table.add_row(r["episode"] or "-", r["role"], r["toolchain"] or "-",
+                              r["protocol"] + (" (translated)" if r["translated"] else ""), r["path"],
+                              str(r["status"] or "-"), "yes" if r["complete"] else "NO",
+                              "yes" if r["streamed"] else "no", "yes" if r["has_token_ids"] else "no",
+                              r["error"] or "")
+            console.print(table)
+        if ff.torn_tail:
+            typer.echo(f"warning: {path}: last record cut short (proxy killed mid-write); skipped", err=True)
+        if ff.error:
+            typer.echo(f"error: {path}: {ff.error}", err=True)
+            bad = True
+    if bad:
+        raise typer.Exit(1)

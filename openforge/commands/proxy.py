@@ -1,0 +1,75 @@
+"""`openforge proxy`: run mitmdump with the OpenForge addon and sensible defaults."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+ADDON = Path(__file__).resolve().parent.parent.parent / "addons" / "openforge.py"
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "proxy",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )(proxy)
+
+
+def proxy(
+    ctx: typer.Context,
+    upstream: str = typer.Option("", "--upstream", envvar="OPENFORGE_UPSTREAM_URL", show_default=False,
+                                 help="Engine base URL, e.g. http://127.0.0.1:8000. Default: $OPENFORGE_UPSTREAM_URL."),
+    key: str = typer.Option("", "--key", envvar="OPENFORGE_UPSTREAM_KEY", show_default=False, show_envvar=False,
+                            help="Engine API key. Default: $OPENFORGE_UPSTREAM_KEY. Passed by environment, "
+                                 "never on mitmdump's command line; logged masked."),
+    flow_dir: Path = typer.Option(Path("flows"), "--flow-dir", envvar="OPENFORGE_FLOW_DIR",
+                                  help="Where flow files go."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for a sidecar)."),
+    port: int = typer.Option(8080, "--port", "-p", min=0, max=65535, help="Port to listen on."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Engine profile: auto, vllm, sglang, "
+                                          "llamacpp, generic. Default: $OPENFORGE_ENGINE_PROFILE or auto."),
+    models: Optional[str] = typer.Option(None, "--models", help="Per-role model routing: inline JSON or a "
+                                         ".json/.toml file (docs/addon.md). Default: $OPENFORGE_MODELS."),
+    translate: Optional[str] = typer.Option(None, "--translate", help="never, auto or always: send Anthropic "
+                                            "and Responses calls to the engine as Chat Completions."),
+    quiet_flows: bool = typer.Option(True, "--quiet-flows/--mitm-flows", help="Hide mitmproxy's own per-flow "
+                                     "lines (the addon logs one masked line per LLM call)."),
+) -> None:
+    """Start the capture proxy: point a toolchain's base URL at http://HOST:PORT (reverse use), or set
+    HTTPS_PROXY to it with mitmproxy's CA trusted (forward use). Any extra arguments go to mitmdump
+    unchanged, e.g. `openforge proxy -- --set openforge_record_other=true`."""
+    if not upstream:
+        typer.echo("error: no engine URL: pass --upstream http://HOST:PORT or set OPENFORGE_UPSTREAM_URL", err=True)
+        raise typer.Exit(2)
+    mitmdump = _mitmdump()
+    env = dict(os.environ)
+    if key:
+        env["OPENFORGE_UPSTREAM_KEY"] = key  # the addon reads it from the environment: not visible in `ps`
+    args = [mitmdump, "-s", str(ADDON), "--listen-host", host, "-p", str(port),
+            "--set", "connection_strategy=lazy", "--set", f"openforge_upstream_url={upstream}",
+            "--set", f"openforge_flow_dir={flow_dir}"]
+    for name, value in (("engine_profile", profile), ("models", models), ("translate", translate)):
+        if value is not None:
+            args += ["--set", f"openforge_{name}={value}"]
+    if quiet_flows:
+        args += ["--set", "flow_detail=0"]
+    args += ctx.args
+    typer.echo(f"OpenForge proxy on http://{host}:{port} -> {upstream}; flows in {flow_dir}", err=True)
+    os.execve(mitmdump, args, env)
+
+
+def _mitmdump() -> str:
+    """The mitmdump of this interpreter's environment first, so the addon runs with the same packages."""
+    beside = Path(sys.executable).with_name("mitmdump")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mitmdump")
+    if found is None:
+        typer.echo("error: mitmdump not found: install mitmproxy>=11 in this environment", err=True)
+        raise typer.Exit(2)
+    return found

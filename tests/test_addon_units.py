@@ -1,0 +1,101 @@
+"""Pure pieces of the addon: option parsing, request classification, masking, SSE stripping."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from addons import options, profiles, wire
+
+pytestmark = pytest.mark.addon
+
+
+def settings(tmp_path: Path, **values: str):
+    return options.parse({"openforge_upstream_url": "http://127.0.0.1:8000/v1",
+                          "openforge_flow_dir": str(tmp_path), **values})
+
+
+def test_defaults_and_upstream_prefix(tmp_path: Path) -> None:
+    s = settings(tmp_path)
+    assert (s.upstream_host, s.upstream_port, s.upstream_prefix) == ("127.0.0.1", 8000, "")
+    assert s.engine_profile == "auto" and s.translate == "auto" and s.default_role == "agent"
+    assert settings(tmp_path, openforge_upstream_url="https://gw/llm/v1").upstream_prefix == "/llm"
+
+
+def test_env_supplies_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENFORGE_UPSTREAM_KEY", "sk-from-env-123456789")
+    assert settings(tmp_path).upstream_key == "sk-from-env-123456789"
+    assert next(s for s in options.SPECS if s.secret).default() == ""  # never copied into mitmproxy defaults
+
+
+def test_models_routing_inline_and_toml(tmp_path: Path) -> None:
+    s = settings(tmp_path, openforge_models=json.dumps(
+        {"agent": {"models": {"claude-*": "qwen", "gpt-4o": "qwen-big"}, "sampling": {"temperature": 1.0}}}))
+    route = s.route("agent")
+    assert route.upstream_model("claude-sonnet") == "qwen" and route.upstream_model("gpt-4o") == "qwen-big"
+    assert route.upstream_model("other") == "other" and s.route("validator") is None
+    toml = tmp_path / "models.toml"
+    toml.write_text('["*".models]\n"*" = "one-model"\n')
+    assert settings(tmp_path, openforge_models=str(toml)).route("anything").upstream_model("x") == "one-model"
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"openforge_models": '{"agent": {"model": {}}}'}, "only 'models' and 'sampling'"),
+    ({"openforge_models": "/nope/models.json"}, "cannot read"),
+    ({"openforge_fsync_interval": "-1"}, "must be a number >= 0"),
+    ({"openforge_record_other": "maybe"}, "must be true or false"),
+    ({"openforge_engine_profile": "tgi"}, "must be one of auto, vllm"),
+    ({"openforge_upstream_url": ""}, "is not set"),
+])
+def test_bad_values_have_clear_messages(tmp_path: Path, values: dict[str, str], message: str) -> None:
+    with pytest.raises(options.BadOption, match=message):
+        settings(tmp_path, **values)
+
+
+def test_classify_and_prefixes() -> None:
+    assert wire.classify("POST", "/v1/chat/completions") == ("chat", "/v1/chat/completions")
+    assert wire.classify("POST", "/backend-api/codex/responses") == ("responses", "/v1/responses")
+    assert wire.classify("POST", "/v1/messages/count_tokens")[0] == "anthropic_count_tokens"
+    assert wire.classify("GET", "/v1/models")[0] == "models"
+    assert wire.classify("GET", "/v1/chat/completions") is None and wire.classify("POST", "/health") is None
+    assert wire.strip_prefixes("/e/ep%201/r/vl/v1/messages") == ("/v1/messages", "ep 1", "vl")
+    assert wire.strip_prefixes("/r/a/e/b/v1/x") == ("/v1/x", "b", "a")
+
+
+def test_mask_and_toolchain() -> None:
+    assert wire.mask("Bearer sk-abcdefghijklmnop") == "Bearer sk-a…mnop"
+    assert wire.mask("sk-abcdefghijklmnop") == "sk-a…mnop" and wire.mask("short") == "…"
+    headers = wire.masked_headers([("X-Api-Key", "sk-abcdefghijklmnop"), ("accept", "*/*")])
+    assert headers == [["X-Api-Key", "sk-a…mnop"], ["accept", "*/*"]]
+    assert wire.toolchain("claude-cli/2.0.1 (external, cli)") == "claude-code"
+    assert wire.toolchain("codex_cli_rs/0.40.0") == "codex"
+    assert wire.proxy_auth_user("Basic ZXAtYXV0aDp4") == "ep-auth" and wire.proxy_auth_user("Bearer x") is None
+
+
+def test_inject_per_profile() -> None:
+    body: dict = {"messages": []}
+    assert profiles.inject("vllm", "chat", body) == ["return_token_ids", "logprobs"]
+    assert profiles.inject("llamacpp", "chat", {"logprobs": True}) == []
+    assert profiles.inject("generic", "completions", {}) == ["logprobs"]
+    assert profiles.inject("vllm", "anthropic", {}) == []
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
+def test_sse_stripper_any_split_gives_the_same_bytes(sep: bytes) -> None:
+    events = [
+        {"id": "c", "choices": [{"index": 0, "delta": {"content": "hé"}, "logprobs": {"content": [{"id": 5}]},
+                                 "token_ids": [5, 6]}], "prompt_token_ids": [1, 2]},
+        {"id": "c", "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]},
+    ]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + sep for e in events) + b"data: [DONE]" + sep
+    whole = profiles.SseStripper(["return_token_ids", "logprobs"])
+    expected = whole.feed(stream) + whole.feed(b"")
+    assert whole.saw_ids
+    got = [json.loads(line[6:]) for line in expected.split(sep) if line.startswith(b"data: {")]
+    assert got[0] == {"id": "c", "choices": [{"index": 0, "delta": {"content": "hé"}, "logprobs": None}]}
+    assert expected.endswith(b"data: [DONE]" + sep)
+    for cut in range(1, len(stream)):
+        s = profiles.SseStripper(["return_token_ids", "logprobs"])
+        assert s.feed(stream[:cut]) + s.feed(stream[cut:]) + s.feed(b"") == expected

@@ -1,0 +1,77 @@
+"""The flow-file contract: round trip, rotation, torn tails, versions (addons/flowfile.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from addons.flowfile import FlowWriter, UnsupportedVersion, expand_paths, open_flow_file, pack
+
+pytestmark = pytest.mark.addon
+
+
+def exchange(i: int, payload: bytes = b"x") -> dict:
+    return {"type": "exchange", "id": f"id{i}", "seq": i, "complete": True, "episode": None,
+            "response": {"status": 200, "body": None, "chunks": [[1.5, payload], [1.6, b"\xff\x00"]],
+                         "streamed": True}, "injected": ["logprobs"]}
+
+
+def test_round_trip_keeps_bytes_and_strings(tmp_path: Path) -> None:
+    w = FlowWriter(tmp_path, "abcd1234")
+    written = [exchange(i) for i in range(5)] + [{"type": "reward", "episode": "e", "reward": 1.0}]
+    for r in written:
+        w.write(r)
+    w.close()
+    (path,) = expand_paths([tmp_path])
+    assert path.name.startswith("openforge-abcd1234-") and path.name.endswith("-0001.flows")
+    ff = open_flow_file(path)
+    assert list(ff.records()) == written
+    assert ff.header["v"] == 1 and ff.header["proxy"] == "abcd1234" and len(ff.file_id) == 32
+    assert not ff.torn_tail and ff.error is None and ff.n_records == 6
+
+
+def test_rotation_by_size_and_sorted_expansion(tmp_path: Path) -> None:
+    w = FlowWriter(tmp_path, "rot", max_bytes=600)
+    for i in range(10):
+        w.write(exchange(i, b"y" * 200))
+    w.close()
+    paths = expand_paths([tmp_path])
+    assert len(paths) > 2 and paths == sorted(paths)
+    seqs = [r["seq"] for p in paths for r in open_flow_file(p).records()]
+    assert seqs == list(range(10))
+    ids = set()
+    for p in paths:
+        ff = open_flow_file(p)
+        list(ff.records())
+        ids.add(ff.file_id)
+    assert len(ids) == len(paths)  # each file has its own id for de-duplication downstream
+
+
+@pytest.mark.parametrize("cut", [1, 7, 40])
+def test_torn_tail_is_skipped_and_reported(tmp_path: Path, cut: int) -> None:
+    w = FlowWriter(tmp_path, "torn")
+    for i in range(3):
+        w.write(exchange(i))
+    w.close()
+    (path,) = expand_paths([tmp_path])
+    with open(path, "ab") as f:
+        f.write(pack(exchange(99))[:cut])
+    ff = open_flow_file(path)
+    assert [r["seq"] for r in ff.records()] == [0, 1, 2]
+    assert ff.torn_tail and ff.error is None
+
+
+def test_other_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.flows"
+    path.write_bytes(msgpack.packb({"type": "header", "v": 99}) + pack(exchange(0)))
+    with pytest.raises(UnsupportedVersion):
+        list(open_flow_file(path).records())
+
+
+def test_not_a_flow_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.flows"
+    path.write_bytes(pack(exchange(0)))
+    ff = open_flow_file(path)
+    assert list(ff.records()) == [] and "no header" in ff.error
