@@ -438,6 +438,9 @@ class OpenForge:
         flow.response = http.Response.make(status, body, {"content-type": "application/json"})
         if ex is not None:
             flow.metadata.pop(META, None)
+            if ex.model is None:  # answered before the body was read (engine down)
+                model = (_json_object(ex.client_request.get("body")) or {}).get("model")
+                ex.model = model if isinstance(model, str) else None
             ex.error = message
             ex.upstream_request = None
             ex.t_end = time.time()

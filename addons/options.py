@@ -60,8 +60,8 @@ SPECS = (
     OptionSpec("openforge_default_role", "agent", "Role of calls that name none (X-OpenForge-Role header or "
                "/r/<role>/ path prefix)."),
     OptionSpec("openforge_translate", "auto", "Send Anthropic Messages and OpenAI Responses calls to the engine "
-               "as Chat Completions to get token ids: never, auto (when the engine profile returns token "
-               "ids on Chat only) or always."),
+               "as Chat Completions to get token ids: never, auto (whenever the engine profile cannot "
+               "return token ids on the client's protocol: every profile today) or always."),
     OptionSpec("openforge_record_other", "false", "Also record requests that are not LLM calls (true/false)."),
     OptionSpec("openforge_block_other", "false", "Answer 403 to non-LLM requests to LLM vendor hosts "
                "(telemetry in forward mode) instead of passing them through (true/false)."),

@@ -11,11 +11,6 @@ import json
 import urllib.request
 from typing import Any
 
-ENGINES = ("vllm", "sglang", "llamacpp", "generic")
-# Engines that return token ids on Chat Completions (not on Anthropic Messages / Responses).
-TOKEN_IDS_ON_CHAT = frozenset({"vllm", "sglang", "llamacpp"})
-
-
 def detect(models_url: str, key: str, timeout: float = 3.0) -> str | None:
     """Profile from the engine's GET /v1/models (`owned_by`) or `Server` header; None if unreachable."""
     req = urllib.request.Request(models_url, headers={"Authorization": f"Bearer {key}"} if key else {})

@@ -37,17 +37,26 @@ TOOLS = [
         },
     }
 ]
+ASK = " Use the calculator."  # in every question, worked examples included: the model copies the pattern
+
+
+def worked_example(question: str, expression: str, result: str, n: int) -> list[dict[str, Any]]:
+    """One solved exchange: question, calculator call, tool result, answer."""
+    call = {"id": f"call_{n}", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    return [
+        {"role": "user", "content": question + ASK},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": result},
+        {"role": "assistant", "content": result},
+    ]
+
+
+# Three worked examples: with one, SmolLM2-135M almost never calls the tool; with three, about half the time.
 FEW_SHOT = [
-    {"role": "user", "content": "What is 2 + 3?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}}
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_0", "content": "5"},
-    {"role": "assistant", "content": "5"},
+    *worked_example("What is 2 + 3?", "2 + 3", "5", 0),
+    *worked_example("What is 9 * 4?", "9 * 4", "36", 1),
+    *worked_example("What is 50 - 8?", "50 - 8", "42", 2),
 ]
 # RL needs samples from the model's own distribution: no truncation of the sampler (llama.cpp truncates
 # by default: top_k 40, top_p 0.95, min_p 0.05). The demo's proxy also forces these per role.
@@ -76,6 +85,15 @@ def calculator(expression: str) -> str:
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as e:
         return f"error: {e}"
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def canonical(arguments: str) -> str:
+    """Arguments as `json.dumps` writes them. llama.cpp re-renders earlier tool calls from parsed JSON, a
+    transformers chat template renders the string as sent: sending the canonical form makes both agree."""
+    try:
+        return json.dumps(json.loads(arguments))
+    except (json.JSONDecodeError, TypeError):
+        return arguments
 
 
 def run_tool(name: str, arguments: str) -> str:
@@ -114,7 +132,7 @@ def run_episode(
 
     episode = Episode(episode_id=f"{task.id}-{uuid.uuid4().hex[:8]}", task=task)
     client = OpenAI(base_url=f"{proxy}/e/{episode.episode_id}/v1", api_key="openforge-demo", max_retries=0, timeout=timeout)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": task.question}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": task.question + ASK}]
     try:
         for _ in range(max_turns):
             response = client.chat.completions.create(
@@ -128,7 +146,7 @@ def run_episode(
                 messages.append({"role": "assistant", "content": episode.final})
                 break
             calls = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": canonical(c.function.arguments)}}
                 for c in message.tool_calls
             ]
             messages.append({"role": "assistant", "content": message.content or None, "tool_calls": calls})

@@ -1,8 +1,9 @@
 """Score an episode of the example agent and report the reward to the OpenForge proxy.
 
-The reward is graded so a weak model still gets a signal that varies between attempts:
-1.0 the final answer's last number is right; 0.5 the calculator returned the right value but the
-answer does not say it; 0.2 a well-formed calculator call was made; 0.0 otherwise.
+The reward is graded so a weak model still gets a signal that varies between attempts (GRPO learns
+nothing from a group whose rewards are all equal): 1.0 when the final answer's last number is right;
+otherwise up to 0.5 for using the calculator (0.5 if it returned the right value, 0.25 for any valid
+call) plus up to 0.25 for a final number close to the answer.
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def score(episode: Episode) -> float:
-    answer = str(episode.task.answer)
+    answer = episode.task.answer
     numbers = _NUMBER.findall(episode.final or "")
-    if numbers and float(numbers[-1]) == episode.task.answer:
+    if numbers and float(numbers[-1]) == answer:
         return 1.0
     results = [result for name, _, result in episode.tool_results if name == "calculator"]
-    if answer in results:
-        return 0.5
-    if any(not r.startswith("error") for r in results):
-        return 0.2
-    return 0.0
+    tool = 0.5 if str(answer) in results else 0.25 if any(not r.startswith("error") for r in results) else 0.0
+    close = max(0.0, 1.0 - abs(float(numbers[-1]) - answer) / max(abs(answer), 1)) * 0.25 if numbers else 0.0
+    return round(tool + close, 4)
 
 
 def report(proxy: str, episode: Episode, reward: float, timeout: float = 10.0) -> None:

@@ -44,54 +44,68 @@ def default_gguf() -> Path:
     return path
 
 
-def cache_dir(gguf: Path, kind: str) -> Path:
-    """Where the transformers conversion of `gguf` is cached (`kind`: tokenizer or model)."""
+def cache_dir(gguf: Path) -> Path:
+    """Where the transformers conversion of `gguf` is cached (keyed by path, size and mtime)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("OPENFORGE_CACHE", Path.home() / ".cache" / "openforge"))
-    return root / "gguf" / f"{gguf.stem}-{key}" / kind
+    return root / "gguf" / f"{gguf.stem}-{key}"
 
 
-def _save_atomically(obj: PreTrainedModel | PreTrainedTokenizerBase, target: Path) -> None:
-    """save_pretrained into a sibling temp dir then rename: a cache entry is complete or absent."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    try:
-        obj.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process filled the cache first: theirs is as good
+def hf_dir(gguf: Path | str | None = None) -> Path:
+    """A Hugging Face model directory (fp32 safetensors + tokenizer) converted from `gguf`, made once.
 
-
-def load_tokenizer(gguf: Path | str | None = None, *, cache: bool = True) -> PreTrainedTokenizerBase:
-    """The GGUF's own tokenizer (vocabulary, merges, special tokens, chat template) through transformers."""
-    from transformers import AutoTokenizer
-
-    path = Path(gguf) if gguf else default_gguf()
-    cached = cache_dir(path, "tokenizer")
-    if cache and cached.is_dir():
-        return AutoTokenizer.from_pretrained(str(cached))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if cache:
-        _save_atomically(tokenizer, cached)
-    return tokenizer
-
-
-def load_model(gguf: Path | str | None = None, dtype: torch.dtype | None = None, *, cache: bool = True) -> PreTrainedModel:
-    """The GGUF dequantised into a transformers model (fp32 by default), ready to train and to save."""
+    This is what the trainer takes as `--model`. Written to a temp dir and renamed, so a cache entry is
+    complete or absent even if the conversion is interrupted.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(gguf) if gguf else default_gguf()
-    dtype = dtype or torch.float32
-    cached = cache_dir(path, "model")
-    if cache and cached.is_dir():
-        return AutoModelForCausalLM.from_pretrained(str(cached), dtype=dtype)
+    target = cache_dir(path)
+    if (target / "config.json").is_file():
+        return target
+    tokenizer = _tokenizer_from_gguf(path)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     make_serializable(model)
-    if cache:
-        _save_atomically(model, cached)  # always fp32, whatever this caller asked for
-    return model.to(dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; left over if another process won
+    return target
+
+
+def _tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def load_tokenizer(gguf: Path | str | None = None) -> PreTrainedTokenizerBase:
+    """The GGUF's own tokenizer (vocabulary, merges, special tokens, chat template) through transformers;
+    from the converted directory when there is one (a second instead of 10-30)."""
+    from transformers import AutoTokenizer
+
+    path = Path(gguf) if gguf else default_gguf()
+    cached = cache_dir(path)
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    return _tokenizer_from_gguf(path)
+
+
+def load_model(gguf: Path | str | None = None, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The GGUF dequantised into a trainable transformers model (fp32 by default), via `hf_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir(gguf)), dtype=dtype or torch.float32)
 
 
 def make_serializable(model: PreTrainedModel) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 from urllib.parse import urlsplit
 
+from addons import profiles
 from addons.flowfile import expand_paths, open_flow_file
 
 Side = Literal["client", "engine"]
@@ -278,6 +279,12 @@ class ReplayIndex:
         }
         return sorted(n for n in names if n)
 
+    def engine_profile(self) -> str:
+        """The recorded engine profile, announced as `owned_by` so a proxy in front detects the same one."""
+        seen = [ex.get("engine_profile") for _, _, ex in self._convs]
+        known = [p for p in seen if p in ("vllm", "sglang", "llamacpp")]
+        return max(set(known), key=known.count) if known else "openforge-replay"
+
 
 # -------------------------------------------------------------------------------- recorded answers
 
@@ -290,28 +297,13 @@ class Answer:
     first_delay: float = 0.0  # non-streamed: recorded time to the answer
 
 
-INJECTED_KEYS = {
-    "return_token_ids": ("prompt_token_ids", "token_ids"),
-    "logprobs": ("logprobs",),
-    "top_logprobs": ("top_logprobs",),
-    "prompt_logprobs": ("prompt_logprobs",),
-}
-
-
-def _strip_keys(value: Any, keys: set[str]) -> Any:
-    if isinstance(value, dict):
-        return {k: _strip_keys(v, keys) for k, v in value.items() if k not in keys}
-    if isinstance(value, list):
-        return [_strip_keys(v, keys) for v in value]
-    return value
-
-
-def _strip_json(data: bytes, keys: set[str]) -> bytes:
+def _strip_body(body: bytes, injected: list[str]) -> bytes:
     try:
-        obj = json.loads(data)
+        obj = json.loads(body)
     except ValueError:
-        return data
-    return json.dumps(_strip_keys(obj, keys), separators=(",", ":"), ensure_ascii=False).encode()
+        return body
+    profiles.strip(obj, injected)
+    return json.dumps(obj, ensure_ascii=False).encode()
 
 
 def iter_sse_events(data: bytes) -> Iterator[bytes]:
@@ -326,54 +318,30 @@ def iter_sse_events(data: bytes) -> Iterator[bytes]:
         buf = buf[end + 2 :]
 
 
-def _strip_event(event: bytes, keys: set[str]) -> bytes:
-    lines = []
-    for line in event.split(b"\n"):
-        if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
-            line = b"data: " + _strip_json(line[5:].strip(), keys)
-        lines.append(line)
-    return b"\n".join(lines)
-
-
 def recorded_answer(exchange: dict[str, Any], side: Side) -> Answer:
     """What the given side received: the engine's `response`, or for the client `client_response` when the
     proxy translated, else `response` with the effect of the proxy's injected fields removed."""
     resp = exchange.get("client_response") if side == "client" else None
-    keys: set[str] = set()
+    injected: list[str] = []
     if resp is None:
         resp = exchange["response"]
         if side == "client":
-            for name in exchange.get("injected") or []:
-                keys.update(INJECTED_KEYS.get(name, ()))
+            injected = list(exchange.get("injected") or [])
     t0 = exchange.get("t_start") or 0.0
     headers = [(k, v) for k, v in resp.get("headers") or [] if k.lower() not in HOP_BY_HOP]
     status = int(resp.get("status") or 200)
     if resp.get("streamed") and resp.get("chunks") is not None:
         chunks = [(max(0.0, t - t0), bytes(b)) for t, b in resp["chunks"]]
-        if keys:
-            chunks = _restrip_chunks(chunks, keys)
+        if injected:  # what the proxy did to the stream on its way to the client
+            stripper = profiles.SseStripper(injected)
+            chunks = [(t, stripper.feed(b)) for t, b in chunks if b]
+            chunks.append((chunks[-1][0] if chunks else 0.0, stripper.feed(b"")))
         return Answer(status, headers, None, chunks)
     body = bytes(resp.get("body") or b"")
-    if keys:
-        body = _strip_json(body, keys)
+    if injected:
+        body = _strip_body(body, injected)
     t_end = exchange.get("t_end") or exchange.get("t_first_byte") or t0
     return Answer(status, headers, body, None, max(0.0, t_end - t0))
-
-
-def _restrip_chunks(chunks: list[tuple[float, bytes]], keys: set[str]) -> list[tuple[float, bytes]]:
-    """Rewrite SSE events without the injected keys; each event goes out when its last byte arrived."""
-    out: list[tuple[float, bytes]] = []
-    pending = b""
-    for t, data in chunks:
-        pending += data.replace(b"\r\n", b"\n")
-        end = pending.rfind(b"\n\n")
-        if end < 0:
-            continue
-        ready, pending = pending[: end + 2], pending[end + 2 :]
-        out.append((t, b"".join(_strip_event(e, keys) for e in iter_sse_events(ready))))
-    if pending:
-        out.append((chunks[-1][0], _strip_event(pending, keys)))
-    return out
 
 
 def error_answer(protocol: str, message: str, status: int = 400) -> Answer:
@@ -429,7 +397,8 @@ class ReplayServer:
         path = strip_episode_prefix(path)
         protocol = protocol_of_path(path)
         if protocol == "models" and method == "GET":
-            data = [{"id": m, "object": "model", "owned_by": "openforge-replay"} for m in self.index.models()]
+            owner = self.index.engine_profile()
+            data = [{"id": m, "object": "model", "owned_by": owner} for m in self.index.models()]
             return Answer(200, [("content-type", "application/json")], json.dumps({"object": "list", "data": data}).encode(), None)
         if method != "POST" or protocol in ("other", "models"):
             return error_answer(protocol, f"replay: {method} {path} is not an LLM call", 404)

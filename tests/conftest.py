@@ -5,6 +5,7 @@ Light on purpose (stdlib + pytest only): it runs in the Python 3.12 proxy enviro
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -21,6 +22,17 @@ ADDON = ROOT / "addons" / "openforge.py"
 MITMDUMP = Path(sys.executable).with_name("mitmdump")
 if str(ROOT) not in sys.path:  # `tests.support.*` and `addons.*` importable however pytest was started
     sys.path.insert(0, str(ROOT))
+# The light proxy-only environment (Python 3.12 + mitmproxy 12) has no torch / duckdb / typer.
+LIGHT_ENV = importlib.util.find_spec("torch") is None or importlib.util.find_spec("typer") is None
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """In the light environment skip importing test modules without `addon` tests: they need the
+    training stack, and `-m addon` would deselect all their tests anyway."""
+    if LIGHT_ENV and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        if "mark.addon" not in collection_path.read_text(errors="replace"):
+            return True
+    return None
 
 
 def free_port() -> int:

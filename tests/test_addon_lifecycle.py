@@ -17,26 +17,18 @@ pytestmark = pytest.mark.addon
 BODY = {"model": "m", "messages": [{"role": "user", "content": "one two three four five six seven"}], "stream": True}
 
 
-@pytest.mark.parametrize(("upstream", "setting", "message"), [
-    ("http://127.0.0.1:9", "openforge_translate=sometimes", "openforge_translate must be one of never, auto, always"),
-    ("http://127.0.0.1:9", "openforge_flow_max_mb=lots", "openforge_flow_max_mb must be a number"),
-    ("http://127.0.0.1:9", "openforge_models={not json", "openforge_models is not valid JSON"),
-    ("ftp://x", "openforge_record_other=true", "openforge_upstream_url must be an http(s) URL"),
-    # mitmproxy itself would silently drop the addon for an option given twice
-    ("http://127.0.0.1:9", "openforge_upstream_url=http://127.0.0.1:8", "openforge_upstream_url is set 2 times"),
+@pytest.mark.parametrize(("setting", "message"), [
+    ("openforge_translate=sometimes", "openforge_translate must be one of never, auto, always"),
+    ("openforge_models={not json", "openforge_models is not valid JSON"),
+    # mitmproxy itself would silently drop the addon (and keep proxying) for an option given twice
+    ("openforge_upstream_url=http://127.0.0.1:8", "openforge_upstream_url is set 2 times"),
 ])
-def test_bad_option_stops_mitmdump_with_a_clear_message(start_proxy: Any, upstream: str, setting: str,
-                                                        message: str) -> None:
-    proxy = start_proxy(upstream, setting, wait=False)
+def test_bad_option_stops_mitmdump_with_a_clear_message(start_proxy: Any, setting: str, message: str) -> None:
+    """Each value is checked in detail in test_addon_units; here: the real process stops, no traceback."""
+    proxy = start_proxy("http://127.0.0.1:9", setting, wait=False)
     assert proxy.proc.wait(60) != 0
     assert f"OpenForge cannot start: {message}" in proxy.log()
     assert "Traceback" not in proxy.log()
-
-
-def test_missing_upstream_url_from_env_only(start_proxy: Any) -> None:
-    proxy = start_proxy("", wait=False)
-    assert proxy.proc.wait(60) != 0
-    assert "openforge_upstream_url is not set" in proxy.log()
 
 
 def _stream_until_first_chunk(url: str, started: threading.Event) -> None:

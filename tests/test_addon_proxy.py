@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,10 @@ def test_other_paths_pass_through_and_are_recorded(proxy: Any) -> None:
     assert r.status_code == 200
     r = httpx.get(f"{proxy.url}/v1/nothing-here")
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+    models = httpx.get(f"{proxy.url}/e/mdl/v1/models", headers={"authorization": f"Bearer {CLIENT_KEY}"})
+    assert models.json()["data"][0]["owned_by"] == "vllm"
+    (rec,) = by_episode(proxy, "mdl")
+    assert rec["protocol"] == "models" and rec["response"]["status"] == 200
     others = [r for r in records(proxy) if r["protocol"] == "other"]
     assert {o["client_request"]["url"].rsplit("/", 1)[-1] for o in others} >= {"health", "nothing-here"}
 
@@ -224,6 +229,18 @@ def test_forward_mode_vendor_host_is_rewritten(proxy: Any) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("Echo")
     (rec,) = by_episode(proxy, "fwd")
     assert rec["client_request"]["url"].startswith("http://api.openai.com/")
+
+
+def test_forward_mode_https_tunnel_with_proxy_auth_episode(engine: Any, proxy: Any) -> None:
+    """HTTPS_PROXY use: CONNECT api.anthropic.com through mitmproxy's CA; the tunnel's user is the episode."""
+    ca = proxy.flow_dir.parent / "mitmconf" / "mitmproxy-ca-cert.pem"
+    client = anthropic.Anthropic(api_key=CLIENT_KEY, http_client=httpx.Client(
+        proxy=f"http://ep-tunnel:x@127.0.0.1:{proxy.port}", verify=ssl.create_default_context(cafile=ca)))
+    msg = client.messages.create(model="claude-x", max_tokens=50, messages=MESSAGES)
+    assert msg.content[0].text.startswith("Echo")
+    (rec,) = by_episode(proxy, "ep-tunnel")
+    assert rec["episode_source"] == "proxy_auth" and rec["client_request"]["url"].startswith("https://api.anthropic.com/")
+    assert rec["upstream_request"]["url"] == f"{engine.url}/v1/chat/completions"  # translated, to the engine
 
 
 def test_64_concurrent_streams_give_64_complete_records(proxy: Any) -> None:

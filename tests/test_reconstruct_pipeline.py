@@ -90,8 +90,7 @@ def test_reconstruct_client_rewrite_classified(tmp_path, retok):
 
 def test_reconstruct_subagent_is_a_branch_and_tokens_count_once(tmp_path, retok):
     f = FlowFactory(tmp_path / "flows", seed=4)
-    main = FlowFactory.tool_loop  # interleave a subagent (own system prompt) inside the same episode
-    f.tool_loop("ep", turns=1)
+    f.tool_loop("ep", turns=1)  # then a subagent (own system prompt) inside the same episode
     f.tool_loop("ep", turns=1, system="You are a subagent that only reads files.", task="Read setup.py")
     f.close()
     run(tmp_path, retok)
@@ -100,7 +99,6 @@ def test_reconstruct_subagent_is_a_branch_and_tokens_count_once(tmp_path, retok)
     assert ep["drift_template"] + ep["drift_other"] + ep["drift_client_rewrite"] == 0
     samples = db_rows(tmp_path / "db.duckdb", "SELECT * FROM samples")
     assert sorted(seg for s_ in samples for seg in trainable_segments(s_)) == sorted(f.completions)
-    assert main is not None
 
 
 def test_reconstruct_retry_shares_prefix_but_trains_it_once(tmp_path, retok):

@@ -50,12 +50,12 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_sft_overfits_a_fixed_batch(setup):
-    cfg = config(setup, "overfit", objective="sft", step_tokens=4096, row_tokens=256, steps=6, lr=1e-2,
-                 warmup_steps=0, min_lr_ratio=1.0)
+    cfg = config(setup, "overfit", objective="sft", where="sample_id IN ('s0000', 's0001')", step_tokens=4096,
+                 row_tokens=256, steps=6, lr=2e-2, grad_clip=100.0, min_lr_ratio=1.0)
     train(cfg, say=lambda _: None)
     losses = [m["loss"] for m in metrics(Path(cfg.out))]
-    assert all(m["samples"] == 8 for m in metrics(Path(cfg.out)))  # the same global batch every step
-    assert losses[-1] < 0.6 * losses[0], losses
+    assert all(m["samples"] == 2 for m in metrics(Path(cfg.out)))  # the same global batch every step
+    assert losses[-1] < 0.7 * losses[0] and losses[-1] == min(losses), losses
 
 
 def test_checkpoint_loads_in_transformers_with_identical_logits(setup):

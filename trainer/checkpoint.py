@@ -41,7 +41,7 @@ def latest(out: str | Path) -> Path | None:
 def save(out: str, step: int, position: Position, model: torch.nn.Module, tokenizer_dir: str, optimizer, scheduler,
          cfg: TrainConfig, rank: int) -> Path:
     """Gather full weights and optimizer state onto rank 0 and write them; every rank must call this."""
-    model_state = get_model_state_dict(model, options=FULL)
+    model_state = drop_tied(model, get_model_state_dict(model, options=FULL))
     optim_state = get_optimizer_state_dict(model, optimizer, options=FULL)
     final = checkpoint_dir(out, step)
     if rank == 0:
@@ -63,6 +63,15 @@ def save(out: str, step: int, position: Position, model: torch.nn.Module, tokeni
     if dist.is_initialized():
         dist.barrier()
     return final
+
+
+def drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A gathered state dict holds tied weights twice (as copies); save them once, as save_pretrained does."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        output = model.get_output_embeddings()
+        name = next(n for n, m in model.named_modules() if m is output)
+        state.pop(f"{name}.weight", None)
+    return state
 
 
 def restore(path: Path, model: torch.nn.Module, optimizer, scheduler) -> tuple[int, Position]:

@@ -35,7 +35,7 @@ def train(
     from trainer.config import ConfigError, load_config, parse_sets
     from trainer.data import DataError
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     named = dict(db=str(db), model=str(model), out=str(out), where=where, objective=objective, lr=lr,
                  steps=steps, step_tokens=step_tokens, row_tokens=row_tokens)
     try:

@@ -1,0 +1,107 @@
+"""Reconstruct throughput vs raw Hugging Face batch encoding of the same text, and peak memory at 2 sizes.
+
+Corpus: realistic agent traces written with the real FlowWriter (Qwen3 tokenizer and template): a long
+shared system prompt, `--turns` tool calls per episode, tool outputs of a few hundred bytes.
+`python bench/reconstruct_throughput.py [--episodes 40] [--turns 10]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SYSTEM = ("You are an autonomous software engineering agent working inside a real repository. " * 40).strip()
+
+
+def make_corpus(directory: Path, episodes: int, turns: int, engine_ids: bool) -> None:
+    from tests.support.reconstruct_flows import FlowFactory
+
+    f = FlowFactory(directory, seed=episodes)
+    for n in range(episodes):
+        f.tool_loop(f"ep{n}", turns=turns, engine_ids=engine_ids, system=SYSTEM, task=f"Fix issue #{n}")
+    f.close()
+
+
+def texts_of(directory: Path) -> list[str]:
+    """The prompt and completion text of every call: what a retokenising reconstruct has to encode."""
+    from addons.flowfile import expand_paths, open_flow_file
+    from reconstruct.protocols import parse_record
+    from reconstruct.tokenize import template_message
+    from tests.support.reconstruct_flows import qwen_tokenizer
+
+    tok, out = qwen_tokenizer(), []
+    for path in expand_paths([directory]):
+        for rec in open_flow_file(path).records():
+            call = parse_record(rec)
+            prompt = tok.apply_chat_template(call.messages, tools=call.tools, add_generation_prompt=True, tokenize=False)
+            full = tok.apply_chat_template(call.messages + [template_message(call.completion)], tools=call.tools, tokenize=False)
+            out += [prompt, full[len(prompt):]]
+    return out
+
+
+def child(kind: str, episodes: int, turns: int) -> None:
+    """One measurement in a fresh process, so peak RSS belongs to it alone."""
+    from reconstruct import reconstruct
+    from reconstruct.tokenize import Retokenizer
+    from tests.support.reconstruct_flows import db_rows, qwen_tokenizer
+
+    tok = qwen_tokenizer()
+    with tempfile.TemporaryDirectory() as d:
+        flows = Path(d) / "flows"
+        make_corpus(flows, episodes, turns, engine_ids=(kind == "engine"))
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        if kind == "raw":
+            texts = texts_of(flows)
+            t = time.perf_counter()
+            n = sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
+            seconds = time.perf_counter() - t
+        else:
+            t = time.perf_counter()
+            reconstruct([flows], Path(d) / "db.duckdb", Retokenizer(tok), missing_reward="keep")
+            seconds = time.perf_counter() - t
+            n = db_rows(Path(d) / "db.duckdb", "SELECT sum(len(prompt_ids) + len(completion_ids)) n FROM call_tokens")[0]["n"]
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"kind": kind, "tokens": n, "seconds": seconds, "rss_mb": peak / 1024, "rss_growth_mb": (peak - base) / 1024}))
+
+
+def measure(kind: str, episodes: int, turns: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", kind, "--episodes", str(episodes), "--turns", str(turns)],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--episodes", type=int, default=40)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--child", choices=["raw", "retokenized", "engine"])
+    a = ap.parse_args()
+    if a.child:
+        child(a.child, a.episodes, a.turns)
+        return
+    rows = {k: measure(k, a.episodes, a.turns) for k in ("raw", "retokenized", "engine")}
+    raw_tps = rows["raw"]["tokens"] / rows["raw"]["seconds"]
+    print(f"corpus: {a.episodes} episodes x {a.turns + 1} calls; every call's prompt + completion: "
+          f"{rows['raw']['tokens']} tokens (raw HF) / {rows['retokenized']['tokens']} (reconstruct)")
+    print(f"{'':28}{'tokens/s':>12}{'vs raw':>9}")
+    print(f"{'raw HF encode_batch':28}{raw_tps:12.0f}{1:9.2f}")
+    for k in ("retokenized", "engine"):
+        tps = rows[k]["tokens"] / rows[k]["seconds"]
+        print(f"{'reconstruct, ' + k:28}{tps:12.0f}{tps / raw_tps:9.2f}")
+    print("peak RSS of the reconstruct process (engine ids), two corpus sizes:")
+    for n in (a.episodes // 2, a.episodes * 2):
+        r = measure("engine", n, a.turns)
+        print(f"  {n:5d} episodes: {r['rss_mb']:.0f} MB peak, +{r['rss_growth_mb']:.0f} MB during reconstruct")
+
+
+if __name__ == "__main__":
+    main()

