@@ -28,7 +28,7 @@ from reconstruct.episodes import Linker, chain_hashes, loose_message, strict_mes
 from reconstruct.mitm_flows import MitmFile, is_mitm_file
 from reconstruct.protocols import Call, Skip, parse_record
 from reconstruct.rewards import RESOLVED_REWARDS_SQL, MissingReward, advantage_sql, read_rewards_file
-from reconstruct.tokenize import Retokenizer, load_tokenizer, stable_json
+from reconstruct.tokenize import Retokenizer, load_tokenizer
 from reconstruct.trajectories import DRIFT_CLASSES, TreeCall, build_tree, chains, near_misses
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -165,11 +165,9 @@ def _ingest_file(con, path: Path, retok: Retokenizer, linker: Linker, run, summa
         con.execute("DELETE FROM skipped WHERE file_id = ? AND record_id IS NULL", [file_id])
         bufs = _buffers(con)
         index = 0
-        consumed = 0  # bytes of whole records seen; see the torn-tail check below
         try:
             for rec in reader.records():
                 index += 1
-                consumed += len(pack(rec)) if not isinstance(reader, MitmFile) else 0
                 if index <= already:
                     continue
                 summary.records += 1
@@ -179,10 +177,6 @@ def _ingest_file(con, path: Path, retok: Retokenizer, linker: Linker, run, summa
         except UnsupportedVersion as e:
             reader.error = str(e)
         _flush(bufs)
-        if not isinstance(reader, MitmFile) and not reader.error and reader.header is not None:
-            # msgpack's Unpacker.tell() counts a cut-short last record as read, so FlowFile can miss a
-            # torn tail; records re-pack to their exact bytes, which tells where the whole ones end.
-            reader.torn_tail = reader.torn_tail or consumed + len(pack(reader.header)) < size
         for flag, reason in ((reader.error, "corrupt_file"), (reader.torn_tail, "torn_record")):
             if flag:
                 detail = reader.error if reason == "corrupt_file" else "last record cut short (kill -9 mid-write)"

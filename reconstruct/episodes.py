@@ -62,6 +62,3 @@ class Linker:
         episode = episode or f"conv-{call_id[:16]}"
         self.ends.setdefault(end, episode)
         return episode
-
-    def register(self, end: str, episode: str) -> None:
-        self.ends.setdefault(end, episode)
