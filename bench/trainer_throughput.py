@@ -36,9 +36,14 @@ def make_batch(lengths: np.ndarray, vocab: int, rng: np.random.Generator) -> lis
     return out
 
 
-def run(model, batch, cfg: TrainConfig, device) -> dict[str, float]:
+def naive_rows(batch: list[Sample], per_row: int) -> list[list[Sample]]:
+    """The usual padded baseline: fixed-size groups in arrival order, each padded to its longest."""
+    return [batch[i:i + per_row] for i in range(0, len(batch), per_row)]
+
+
+def run(model, batch, cfg: TrainConfig, device, rows: list[list[Sample]] | None = None) -> dict[str, float]:
     coef = coefficients(batch, cfg.aggregation)
-    rows = plan_rows(batch, cfg.row_tokens, cfg.packing)
+    rows = rows or plan_rows(batch, cfg.row_tokens, cfg.packing)
     real = computed = 0
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -84,16 +89,21 @@ def main() -> None:
 
     warm = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30)
     run(model, batch[:4], warm, device)  # warm-up (allocator, kernels)
-    results = {}
-    for name, packing in (("padded (bucketed)", False), ("packed", True)):
-        cfg = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=packing)
-        results[name] = run(model, batch, cfg, device)
+    padded = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=False)
+    packed = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=True)
+    per_row = max(1, args.row_tokens // int(lengths.max()))  # as many as fit at the longest length
+    results = {
+        f"padded (B={per_row})": run(model, batch, padded, device, naive_rows(batch, per_row)),
+        "padded+bucketed": run(model, batch, padded, device),
+        "packed": run(model, batch, packed, device),
+    }
 
     header = f"{'mode':<18} {'rows':>5} {'real tok':>9} {'computed':>9} {'real share':>10} {'tok/s':>9} {'speedup':>8}"
     if device.type == "cuda":
         header += f" {'MFU':>6}"
     print(header)
-    base = results["padded (bucketed)"]["real"] / results["padded (bucketed)"]["seconds"]
+    first = next(iter(results.values()))
+    base = first["real"] / first["seconds"]
     for name, r in results.items():
         tps = r["real"] / r["seconds"]
         line = (f"{name:<18} {r['rows']:>5} {r['real']:>9} {r['computed']:>9} {r['real'] / r['computed']:>10.1%} "
