@@ -55,6 +55,8 @@ def child(kind: str, episodes: int, turns: int) -> None:
     from tests.support.reconstruct_flows import db_rows, qwen_tokenizer
 
     tok = qwen_tokenizer()
+    import duckdb  # noqa: F401 - library imports are start-up, not throughput (like loading the tokenizer)
+
     with tempfile.TemporaryDirectory() as d:
         flows = Path(d) / "flows"
         make_corpus(flows, episodes, turns, engine_ids=(kind == "engine"))

@@ -24,7 +24,7 @@ import pyarrow as pa
 from addons.flowfile import UnsupportedVersion, expand_paths, open_flow_file, pack
 from reconstruct import store
 from reconstruct.drift import classify
-from reconstruct.episodes import Linker, chain_hashes, loose_message, strict_message
+from reconstruct.episodes import ChainHasher, Linker
 from reconstruct.mitm_flows import MitmFile, is_mitm_file
 from reconstruct.protocols import Call, Skip, parse_record
 from reconstruct.rewards import RESOLVED_REWARDS_SQL, MissingReward, advantage_sql, read_rewards_file
@@ -33,6 +33,7 @@ from reconstruct.trajectories import DRIFT_CLASSES, TreeCall, build_tree, chains
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 FLUSH_EVERY = 256
+EPISODES_PER_READ = 64  # pass 2 holds this many episodes' token ids at once
 
 
 @dataclass
@@ -104,11 +105,12 @@ def reconstruct(
         linker = Linker(
             dict(con.execute("SELECT conv_end, episode_id FROM call_tokens WHERE linked_by = 'conversation'").fetchall())
         )
+        hasher = ChainHasher()
         touched: set[str] = set()
         total = sum(p.stat().st_size for p in files if p.exists())
         done = 0
         for path in files:
-            _ingest_file(con, path, retok, linker, run, summary, touched)
+            _ingest_file(con, path, retok, linker, hasher, run, summary, touched)
             done += path.stat().st_size if path.exists() else 0
             if progress:
                 progress("read", done, total)
@@ -146,7 +148,9 @@ def _open(path: Path) -> tuple[Any, str | None, str | None]:
     return reader, hashlib.sha256(pack(header)).hexdigest()[:32], None
 
 
-def _ingest_file(con, path: Path, retok: Retokenizer, linker: Linker, run, summary: Summary, touched: set) -> None:
+def _ingest_file(
+    con, path: Path, retok: Retokenizer, linker: Linker, hasher: ChainHasher, run, summary: Summary, touched: set
+) -> None:
     reader, file_id, error = _open(path)
     if error:
         fid = "path:" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:27]
@@ -171,7 +175,7 @@ def _ingest_file(con, path: Path, retok: Retokenizer, linker: Linker, run, summa
                 if index <= already:
                     continue
                 summary.records += 1
-                _ingest_record(rec, file_id, retok, linker, run, bufs, summary, touched)
+                _ingest_record(rec, file_id, retok, linker, hasher, run, bufs, summary, touched)
                 if bufs["calls"].n >= FLUSH_EVERY:
                     _flush(bufs)
         except UnsupportedVersion as e:
@@ -209,7 +213,7 @@ def _flush(bufs: dict[str, store.Buffer]) -> None:
         b.flush()
 
 
-def _ingest_record(rec, file_id, retok, linker, run, bufs, summary: Summary, touched: set) -> None:
+def _ingest_record(rec, file_id, retok, linker, hasher, run, bufs, summary: Summary, touched: set) -> None:
     if rec.get("type") == "reward":
         try:
             reward = float(rec["reward"])
@@ -235,8 +239,7 @@ def _ingest_record(rec, file_id, retok, linker, run, bufs, summary: Summary, tou
         summary.skipped[s.reason] += 1
         return
     messages = call.messages if call.messages is not None else [{"role": "prompt", "content": call.prompt_text or ""}]
-    conv, conv_end = chain_hashes(messages, call.tools, call.completion, loose_message)
-    strict, strict_end = chain_hashes(messages, call.tools, call.completion, strict_message)
+    conv, conv_end, strict, strict_end = hasher.hashes(messages, call.tools, call.completion)
     if rec.get("episode"):
         episode, linked_by = str(rec["episode"]), "recorded"
     else:
@@ -347,7 +350,7 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, summary: Summary,
                 reward = policy.value  # fill:<x>, or None for keep
             toolchain, run_id = info.get(episode_id, (None, None))
             _build_episode(
-                retok, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes, owners, summary
+                con, retok, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes, owners, summary
             )
             if samples.n >= FLUSH_EVERY:
                 samples.flush()
@@ -371,31 +374,61 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, summary: Summary,
         raise
 
 
+# what pass 2 reads per call; the canonical conversation is fetched only for near-continuations
+_TREE_COLUMNS = (
+    "call_id, episode_id, token_source, prompt_ids, completion_ids, completion_logprobs, "
+    "conv_hashes, conv_end, strict_hashes, strict_end"
+)
+
+
 def _episode_rows(con) -> Iterable[tuple[str, list[dict[str, Any]]]]:
-    """Affected episodes' calls in start order, one episode at a time (streamed Arrow batches)."""
-    rel = con.sql("""
-        SELECT ct.* FROM call_tokens ct JOIN affected USING (episode_id)
-        ORDER BY ct.episode_id, ct.t_start NULLS LAST, ct.seq, ct.call_id""")
-    reader = (getattr(rel, "to_arrow_reader", None) or rel.fetch_arrow_reader)(1024)  # renamed in duckdb 1.4
-    current, rows = None, []
-    for batch in reader:
-        for row in batch.to_pylist():
+    """Affected episodes' calls in start order, one episode at a time.
+
+    Read `EPISODES_PER_READ` episodes per query, each result fully fetched before the caller writes anything:
+    DuckDB refuses a new statement on a connection with an open streaming result. Token lists come
+    out as numpy views of the Arrow buffers, never as Python lists.
+    """
+    ids = [e for (e,) in con.execute("SELECT episode_id FROM affected ORDER BY episode_id").fetchall()]
+    cols = ", ".join("ct." + c.strip() for c in _TREE_COLUMNS.split(","))
+    for start in range(0, len(ids), EPISODES_PER_READ):
+        con.register("_episode_chunk", pa.table({"episode_id": ids[start : start + EPISODES_PER_READ]}))
+        rel = con.sql(f"""
+            SELECT {cols} FROM call_tokens ct JOIN _episode_chunk USING (episode_id)
+            ORDER BY ct.episode_id, ct.t_start NULLS LAST, ct.seq, ct.call_id""")
+        batch = (getattr(rel, "to_arrow_table", None) or rel.arrow)()  # renamed in duckdb 1.4
+        con.unregister("_episode_chunk")
+        lists = {c: _list_views(batch.column(c)) for c in ("prompt_ids", "completion_ids", "completion_logprobs")}
+        plain = batch.select(["call_id", "episode_id", "token_source", "conv_hashes", "conv_end", "strict_hashes",
+                              "strict_end"]).to_pylist()
+        current, rows = None, []
+        for n, row in enumerate(plain):
+            for c, views in lists.items():
+                row[c] = views[n]
             if row["episode_id"] != current and rows:
                 yield current, rows
                 rows = []
             current = row["episode_id"]
             rows.append(row)
-    if rows:
-        yield current, rows
+        if rows:
+            yield current, rows
 
 
-def _build_episode(retok, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes, owners, summary):
+def _list_views(col: Any) -> list[np.ndarray | None]:
+    """A list<int32|float32> Arrow column as one numpy view per row (None where NULL)."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = col.offsets.to_numpy()
+    values = col.values.to_numpy(zero_copy_only=False)
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(col))]
+
+
+def _build_episode(con, retok, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes, owners, summary):
     calls = [
         TreeCall(
             call_id=r["call_id"],
-            prompt=np.asarray(r["prompt_ids"], dtype=np.int32),
-            completion=np.asarray(r["completion_ids"], dtype=np.int32),
-            logprobs=np.asarray(r["completion_logprobs"], dtype=np.float32) if r["completion_logprobs"] is not None else None,
+            prompt=r["prompt_ids"],
+            completion=r["completion_ids"],
+            logprobs=r["completion_logprobs"],
             token_source=r["token_source"],
             conv_prefixes=r["conv_hashes"],
             conv_end=r["conv_end"],
@@ -405,8 +438,9 @@ def _build_episode(retok, episode_id, rows, reward, task_id, toolchain, run_id, 
     parents = build_tree(calls)
     drift: Counter = Counter()
     for i, j in near_misses(calls, parents):
-        prev, cur = _classify_view(rows[j]), _classify_view(rows[i])
-        drift[classify(retok, prev, cur, rows[j]["prompt_ids"] + rows[j]["completion_ids"])] += 1
+        prev, cur = _classify_view(con, rows[j]), _classify_view(con, rows[i])
+        prev_ids = np.concatenate([rows[j]["prompt_ids"], rows[j]["completion_ids"]]).tolist()
+        drift[classify(retok, prev, cur, prev_ids)] += 1
     built = chains(calls, parents)
     weight = 1.0 / len(built)
     for n, s in enumerate(built):
@@ -432,12 +466,15 @@ def _build_episode(retok, episode_id, rows, reward, task_id, toolchain, run_id, 
     summary.episodes += 1
 
 
-def _classify_view(row: dict[str, Any]) -> dict[str, Any]:
+def _classify_view(con, row: dict[str, Any]) -> dict[str, Any]:
+    [(messages, tools, completion)] = con.execute(
+        "SELECT messages, tools, completion FROM call_tokens WHERE call_id = ?", [row["call_id"]]
+    ).fetchall()
     return {
-        "messages": json.loads(row["messages"]) if row["messages"] else None,
-        "tools": json.loads(row["tools"]) if row["tools"] else None,
-        "completion": json.loads(row["completion"]) if row["completion"] else None,
+        "messages": json.loads(messages) if messages else None,
+        "tools": json.loads(tools) if tools else None,
+        "completion": json.loads(completion) if completion else None,
         "strict_hashes": row["strict_hashes"],
         "strict_end": row["strict_end"],
-        "prompt_ids": row["prompt_ids"],
+        "prompt_ids": row["prompt_ids"].tolist(),
     }

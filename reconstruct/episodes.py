@@ -47,6 +47,56 @@ def chain_hashes(messages: list[dict[str, Any]], tools: Any, completion: dict[st
     return prefixes, _h(h, key(completion))
 
 
+def _fingerprint(m: dict[str, Any]) -> tuple:
+    """Every field `loose_message` and `strict_message` read, as a hashable tuple (cheap, no JSON)."""
+    calls = tuple(
+        (tc.get("id"), tc["function"]["name"], tc["function"].get("arguments", "")) for tc in m.get("tool_calls") or ()
+    )
+    return (m.get("role"), m.get("content"), calls, m.get("tool_call_id"), m.get("reasoning_content"))
+
+
+class ChainHasher:
+    """`chain_hashes` for both keys at once, memoised per (previous hashes, message).
+
+    Every call of an agent loop resends the whole conversation, so hashing it from scratch costs
+    O(turns^2) JSON encodings per episode; with the memo each message is encoded once, and later
+    calls only pay a tuple hash per message. Values are exactly `chain_hashes`'s (they are stored and
+    compared across runs). The memo is cleared when full, so memory stays bounded.
+    """
+
+    def __init__(self, max_entries: int = 16384) -> None:
+        self._memo: dict[tuple, tuple[str, str]] = {}
+        self._tools: dict[str, str] = {}
+        self._max = max_entries
+
+    def hashes(
+        self, messages: list[dict[str, Any]], tools: Any, completion: dict[str, Any]
+    ) -> tuple[list[str], str, list[str], str]:
+        """(loose prefixes, loose end, strict prefixes, strict end), as two `chain_hashes` calls give."""
+        if len(self._memo) > self._max:
+            self._memo.clear()
+            self._tools.clear()
+        tools_json = stable_json(tools or [])
+        root = self._tools.get(tools_json)
+        if root is None:
+            root = self._tools[tools_json] = _h("", tools_json)
+        loose, strict = root, root
+        loose_out, strict_out = [root], [root]
+        for m in messages:
+            loose, strict = self._step(loose, strict, m)
+            loose_out.append(loose)
+            strict_out.append(strict)
+        loose_end, strict_end = self._step(loose, strict, completion)
+        return loose_out, loose_end, strict_out, strict_end
+
+    def _step(self, loose: str, strict: str, m: dict[str, Any]) -> tuple[str, str]:
+        k = (loose, strict, _fingerprint(m))
+        out = self._memo.get(k)
+        if out is None:
+            out = self._memo[k] = (_h(loose, loose_message(m)), _h(strict, strict_message(m)))
+        return out
+
+
 class Linker:
     """Assigns episode ids to calls without one, by the longest earlier conversation they extend."""
 

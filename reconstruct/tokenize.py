@@ -11,6 +11,7 @@ can be cached. The system prompt and tool block repeated on every turn are encod
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -21,15 +22,38 @@ from reconstruct.protocols import Call
 
 
 def load_tokenizer(path_or_tokenizer: Any) -> Any:
-    """An HF tokenizer from a local path (never a hub name), or the object itself."""
+    """An HF tokenizer from a local path (never a hub name), or the object itself.
+
+    Loaded once per process and directory (unchanged files): reconstructing several databases, or
+    the CLI and the API in one session, does not pay the load again.
+    """
     if not isinstance(path_or_tokenizer, (str, os.PathLike)):
         return path_or_tokenizer
-    from transformers import AutoTokenizer
-
-    path = os.fspath(path_or_tokenizer)
+    path = os.path.abspath(os.fspath(path_or_tokenizer))
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist (give a local directory)")
-    return AutoTokenizer.from_pretrained(path)
+    files = sorted(os.scandir(path), key=lambda e: e.name) if os.path.isdir(path) else []
+    return _load(path, tuple((e.name, e.stat().st_mtime_ns) for e in files if e.is_file()))
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, _files: tuple) -> Any:
+    """The class `tokenizer_config.json` names, straight from transformers; else `AutoTokenizer`.
+
+    Same class AutoTokenizer would pick, but AutoTokenizer imports torch (seconds, and reconstruct
+    never needs it); names transformers does not export still go through AutoTokenizer.
+    """
+    import transformers
+
+    name = None
+    config = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        cls = transformers.AutoTokenizer
+    return cls.from_pretrained(path)
 
 
 class Retokenizer:

