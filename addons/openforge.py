@@ -143,7 +143,7 @@ class OpenForge:
             if ex is None or ex.protocol == "other":
                 return
             protocol = ex.protocol
-            problem = await self._upstream_problem(s)
+            problem = await self._upstream_problem(flow, s)
             if problem:
                 self._answer(flow, ex, 502, f"OpenForge: upstream {s.upstream_display} unreachable: {problem}",
                              "upstream_unreachable")
@@ -238,9 +238,10 @@ class OpenForge:
             return ex
         protocol, canonical = kind
         ex = self._new(flow, protocol, path)
-        ex.role = role or req.headers.get("x-openforge-role") or s.default_role
-        ex.episode, ex.episode_source = self._episode(flow, episode)
-        ex.toolchain = wire.toolchain(req.headers.get("user-agent"))
+        headers = wire.header_map(req.headers.fields)  # one pass; mitmproxy's get() scans every field per call
+        ex.role = role or headers.get("x-openforge-role") or s.default_role
+        ex.episode, ex.episode_source = self._episode(flow, episode, headers)
+        ex.toolchain = wire.toolchain(headers.get("user-agent"))
         self._track(flow, ex)
         self._to_upstream(flow, s, s.upstream_prefix + canonical + (f"?{query}" if query else ""))
         return ex
@@ -263,10 +264,10 @@ class OpenForge:
         sockname = flow.client_conn.sockname
         return bool(sockname) and flow.request.port == sockname[1]
 
-    def _episode(self, flow: http.HTTPFlow, from_path: str | None) -> tuple[str | None, str | None]:
+    def _episode(self, flow: http.HTTPFlow, from_path: str | None,
+                 headers: dict[str, str]) -> tuple[str | None, str | None]:
         if from_path:
             return from_path, "path"
-        headers = flow.request.headers
         if value := headers.get("x-openforge-episode"):
             return value, "header"
         auth = flow.metadata.get("proxyauth")
@@ -281,8 +282,9 @@ class OpenForge:
 
     def _to_upstream(self, flow: http.HTTPFlow, s: options.Settings, path: str) -> None:
         req = flow.request
-        for name in wire.DROP_UPSTREAM:
-            req.headers.pop(name, None)
+        headers = req.headers
+        # One pass over the raw fields instead of a scan per dropped name.
+        headers.fields = tuple(f for f in headers.fields if f[0].lower() not in wire.DROP_UPSTREAM_BYTES)
         if s.upstream_key:
             req.headers["authorization"] = f"Bearer {s.upstream_key}"
         req.scheme, req.host, req.port = s.upstream_scheme, s.upstream_host, s.upstream_port
@@ -323,7 +325,7 @@ class OpenForge:
             ex.upstream_model = body.get("model") if isinstance(body.get("model"), str) else None
             ex.injected += profiles.inject(ex.engine_profile, engine_protocol, body)
             if ex.injected or ex.translated or route is not None:
-                req.content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+                req.content = profiles.encode_json(body).encode()
         ex.upstream_request = request_map(req.method, req.url, req.headers, req.raw_content)
 
     def _reward(self, flow: http.HTTPFlow, path: str) -> None:
@@ -353,9 +355,13 @@ class OpenForge:
                                            {"content-type": "application/json"})
 
     # -- engine --------------------------------------------------------------------------------------------
-    async def _upstream_problem(self, s: options.Settings) -> str | None:
-        """None if the engine accepts connections; probed only when no answer arrived recently."""
+    async def _upstream_problem(self, flow: http.HTTPFlow, s: options.Settings) -> str | None:
+        """None if the engine accepts connections; probed only when no answer arrived recently and this
+        client's connection has no open connection to the engine that mitmproxy would reuse."""
         if time.monotonic() - self._upstream_ok_at < UPSTREAM_OK_TTL:
+            return None
+        server = flow.server_conn
+        if server.connected and server.address == (s.upstream_host, s.upstream_port):
             return None
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(s.upstream_host, s.upstream_port), 3.0)
@@ -395,17 +401,30 @@ class OpenForge:
         else:
             raw = resp.raw_content
             response = self._response_map(flow, raw=raw)
-            has_ids = body_has_token_ids(resp.content) if ex.protocol != "other" else False
+            has_ids = False
             if ex.translated is not None:
+                has_ids = body_has_token_ids(resp.content)
                 self._translate_body(flow, ex)
                 client_response = self._response_map(flow, raw=resp.raw_content)
-            elif ex.injected and resp.status_code == 200:
-                obj = _json_object(resp.content)
-                if obj is not None:
-                    profiles.strip(obj, ex.injected)
-                    resp.content = json.dumps(obj, ensure_ascii=False).encode()
+            elif ex.protocol != "other":
+                has_ids = self._strip_body(resp, ex)
         self._write(ex, response, complete=True, client_response=client_response, has_ids=has_ids)
         self._log(flow, ex, resp.status_code)
+
+    @staticmethod
+    def _strip_body(resp: http.Response, ex: Exchange) -> bool:
+        """Remove injected fields from a JSON answer (parsed once, for both jobs); whether it has token ids."""
+        body = resp.content
+        marks = profiles.markers(ex.injected) if resp.status_code == 200 else ()
+        if not body or not any(m in body for m in marks):  # nothing of ours in it: leave the bytes alone
+            return body_has_token_ids(body)
+        obj = _json_object(body)
+        if obj is None:
+            return False
+        has_ids = profiles.has_token_ids(obj)
+        if profiles.strip(obj, ex.injected):
+            resp.content = profiles.encode_json(obj).encode()
+        return has_ids
 
     def _translate_body(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         resp = flow.response
@@ -452,7 +471,7 @@ class OpenForge:
         resp = flow.response
         assert resp is not None
         streamed = ex is not None and ex.streamed
-        return {"status": resp.status_code, "headers": wire.masked_headers(resp.headers.items(multi=True)),
+        return {"status": resp.status_code, "headers": wire.masked_fields(resp.headers.fields),
                 "body": None if streamed else raw, "chunks": ex.chunks if streamed else None,
                 "streamed": streamed}
 

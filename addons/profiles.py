@@ -65,37 +65,55 @@ def has_token_ids(obj: Any) -> bool:
     return False
 
 
-def strip(obj: Any, injected: list[str]) -> None:
-    """Remove, in place, what the injected fields added to one answer object or stream chunk."""
+def strip(obj: Any, injected: list[str]) -> bool:
+    """Remove, in place, what the injected fields added to one answer object or stream chunk.
+
+    Returns whether anything changed, so callers can pass unchanged bytes through without re-encoding.
+    """
     if not isinstance(obj, dict):
-        return
+        return False
     ids = "return_token_ids" in injected
-    if ids:
-        obj.pop("prompt_token_ids", None)
+    lps = "logprobs" in injected
+    changed = False
+    if ids and "prompt_token_ids" in obj:
+        del obj["prompt_token_ids"]
+        changed = True
     for choice in obj.get("choices") or ():
         if not isinstance(choice, dict):
             continue
-        if ids:
+        if ids and ("token_ids" in choice or "prompt_token_ids" in choice):
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)
-        if "logprobs" in injected and "logprobs" in choice:
+            changed = True
+        if lps and choice.get("logprobs") is not None:
             choice["logprobs"] = None
+            changed = True
+    return changed
 
 
-_MARKERS = (b"token_ids", b'"logprobs"')
+def markers(injected: list[str]) -> tuple[bytes, ...]:
+    """Byte strings one of which must occur in an answer for `strip` to have anything to remove."""
+    return ((b"token_ids",) if "return_token_ids" in injected else ()) + (
+        (b'"logprobs"',) if "logprobs" in injected else ())
+
+
+# One encoder for every re-encoded body or event: json.dumps with non-default arguments builds a new one per call.
+encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 class SseStripper:
     """Rewrites an SSE byte stream event by event, removing injected fields; holds back partial events.
 
-    Fed each network read; `feed(b"")` flushes whatever is left. Events without any injected field pass
-    through byte for byte; only `data:` lines that carry one are re-encoded.
+    Fed each network read; `feed(b"")` flushes whatever is left. Only `data:` lines that contain an
+    injected field's name are parsed (a bytes check first), and only those that `strip` changes are
+    re-encoded; every other byte passes through unchanged.
     """
 
-    __slots__ = ("injected", "buf", "saw_ids")
+    __slots__ = ("injected", "markers", "buf", "saw_ids")
 
     def __init__(self, injected: list[str]) -> None:
         self.injected = injected
+        self.markers = markers(injected)
         self.buf = b""
         self.saw_ids = False
 
@@ -118,18 +136,18 @@ class SseStripper:
         return out
 
     def _rewrite(self, block: bytes) -> bytes:
-        if not any(m in block for m in _MARKERS):
+        marks = self.markers
+        if not any(m in block for m in marks):
             return block
         lines = block.split(b"\n")
         for i, line in enumerate(lines):
-            if not line.startswith(b"data:") or not any(m in line for m in _MARKERS):
+            if not line.startswith(b"data:") or not any(m in line for m in marks):
                 continue
             cr = line.endswith(b"\r")
-            payload = line[5:-1] if cr else line[5:]
-            obj = json.loads(payload)
+            obj = json.loads(line[5:-1] if cr else line[5:])
             if not self.saw_ids and has_token_ids(obj):
                 self.saw_ids = True
-            strip(obj, self.injected)
-            new = b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-            lines[i] = new + b"\r" if cr else new
+            if strip(obj, self.injected):
+                new = b"data: " + encode_json(obj).encode()
+                lines[i] = new + b"\r" if cr else new
         return b"\n".join(lines)

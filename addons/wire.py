@@ -15,6 +15,8 @@ SECRET_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization",
 # Client credentials never go to the engine; our own control headers neither.
 DROP_UPSTREAM = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie",
                            "x-openforge-episode", "x-openforge-role"})
+DROP_UPSTREAM_BYTES = frozenset(name.encode() for name in DROP_UPSTREAM)
+_SECRET_BYTES = frozenset(name.encode() for name in SECRET_HEADERS)
 REWARD_PREFIX = "/openforge/v1/episodes/"
 
 # (path suffix, protocol, canonical engine path); longest suffixes first.
@@ -106,6 +108,23 @@ def mask(value: str) -> str:
 
 def masked_headers(items: Iterable[tuple[str, str]]) -> list[list[str]]:
     return [[k, mask(v) if k.lower() in SECRET_HEADERS else v] for k, v in items]
+
+
+def header_map(fields: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Lower-case name -> value of mitmproxy's raw `Headers.fields`, repeated headers folded with ", " as
+    `Headers.get` does."""
+    out: dict[str, str] = {}
+    for k, v in fields:
+        name, value = k.decode("utf-8", "surrogateescape").lower(), v.decode("utf-8", "surrogateescape")
+        out[name] = f"{out[name]}, {value}" if name in out else value
+    return out
+
+
+def masked_fields(fields: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
+    """`masked_headers` straight from mitmproxy's raw `Headers.fields` (decoded as mitmproxy does)."""
+    return [[k.decode("utf-8", "surrogateescape"),
+             mask(v.decode("utf-8", "surrogateescape")) if k.lower() in _SECRET_BYTES
+             else v.decode("utf-8", "surrogateescape")] for k, v in fields]
 
 
 def error_body(protocol: str, status: int, message: str, kind: str) -> bytes:

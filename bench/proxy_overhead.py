@@ -1,6 +1,12 @@
 """What the capture proxy costs: the same chat requests and SSE streams direct to an engine, through bare
 `mitmdump` (plus a 3-line hook that streams SSE, as mitmdump otherwise buffers it), through `mitmdump -s addons/openforge.py`, and through the LiteLLM proxy when installed.
 
+The addon asks the engine for token ids and logprobs the client did not ask for, so its engine answers are
+several times larger than the others'. To separate that payload from the proxy's own cost, two more rows
+send the same requests with `return_token_ids` + `logprobs` set by the client, through bare mitmdump and
+through the addon (which then injects and strips nothing): same bytes on every leg, so their difference is
+the addon's own cost.
+
 Why a script and not a test: timings depend on the machine; this prints them side by side from one run,
 with rounds interleaved (path A, B, C, A, B, C, ...) so drift in machine load hits every path alike.
 
@@ -12,8 +18,8 @@ fields (token ids, logprobs) reach the client and the flow record through each p
 The engine is tests/support/scripted_engine.py in its own process; the load generator is a minimal asyncio
 HTTP/1.1 client with keep-alive connections (cheaper than httpx, so it disturbs the measurement less).
 
-    .venv/bin/python bench/proxy_overhead.py            # default: ~1-2 minutes on 2 cores
-    .venv/bin/python bench/proxy_overhead.py --scale 0.3 --rounds 2   # a quick look
+    .venv/bin/python bench/proxy_overhead.py            # default: about a minute on 2 cores
+    .venv/bin/python bench/proxy_overhead.py --scale 3 --rounds 3   # steadier figures
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ ADDON = ROOT / "addons" / "openforge.py"
 MODEL = "scripted-model"
 MESSAGES = [{"role": "user", "content": "Please list the files in the current working directory now"}]
 ENGINE_T = re.compile(rb'"engine_t": ?([0-9.]+)')  # the addon re-encodes events it strips: no space
+ASK_IDS = {"return_token_ids": True, "logprobs": True}  # the engine fields the addon injects (vLLM profile)
+PAYLOAD_BARE, PAYLOAD_OURS = "mitmdump, ids", "addon, ids"  # the client asks for ASK_IDS itself
 # Bare mitmdump buffers whole responses; this hook makes it stream SSE like the addon does, so the
 # baseline is a fair floor (written to the temp dir and loaded with -s).
 SSE_HOOK = """def responseheaders(flow):
@@ -135,7 +143,7 @@ class Path_:
                 self.proc.wait()
 
 
-def start_mitmdump(engine: str, tmp: Path, addon: bool) -> Path_:
+def start_mitmdump(engine: str, tmp: Path, addon: Path | None) -> Path_:
     port = free_port()
     name = "mitmdump+addon" if addon else "mitmdump"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -148,7 +156,7 @@ def start_mitmdump(engine: str, tmp: Path, addon: bool) -> Path_:
         args += ["-s", str(hook)]
     else:
         flow_dir = tmp / "flows"
-        args += ["-s", str(ADDON), "--set", f"openforge_upstream_url={engine}",
+        args += ["-s", str(addon), "--set", f"openforge_upstream_url={engine}",
                  "--set", f"openforge_flow_dir={flow_dir}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
     log = open(tmp / f"{name}.log", "wb")
@@ -331,24 +339,28 @@ def field_check(path: Path_) -> dict[str, str]:
 # -- main ---------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all paths (default 3)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all paths (default 2)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every request count (default 1.0)")
     ap.add_argument("--chunk-delay", type=float, default=0.002, help="engine seconds between SSE events")
     ap.add_argument("--litellm", help="path of a `litellm` executable (default: $LITELLM_BIN, .venv-litellm, PATH)")
+    ap.add_argument("--addon", type=Path, default=ADDON,
+                    help="addon script to measure (default addons/openforge.py; e.g. a copy of an older version)")
     ap.add_argument("--serve-engine", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_engine:
         return serve_engine(args.chunk_delay)
 
     counts = {k: max(4, int(v * args.scale)) for k, v in
-              {"ns1": 100, "ns16": 320, "s1": 20, "s16": 64}.items()}
+              {"ns1": 50, "ns16": 128, "s1": 8, "s16": 32}.items()}
     tmp = Path(tempfile.mkdtemp(prefix="openforge-bench-"))
     engine_proc = subprocess.Popen([sys.executable, __file__, "--serve-engine", "--chunk-delay", str(args.chunk_delay)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     engine = engine_proc.stdout.readline().strip()  # type: ignore[union-attr]
     paths = [Path_("direct", engine)]
     try:
-        paths += [start_mitmdump(engine, tmp / "bare", addon=False), start_mitmdump(engine, tmp / "addon", addon=True)]
+        bare, ours = start_mitmdump(engine, tmp / "bare", None), start_mitmdump(engine, tmp / "addon", args.addon)
+        paths += [bare, ours, Path_(PAYLOAD_BARE, bare.url, bare.proc, extra_body=ASK_IDS),
+                  Path_(PAYLOAD_OURS, ours.url, ours.proc, ours.flow_dir, extra_body=ASK_IDS)]
         litellm = find_litellm(args.litellm)
         if litellm:
             paths.append(start_litellm(litellm, engine, tmp))
@@ -365,8 +377,9 @@ def main() -> None:
                     conc = 16 if kind.endswith("16") else 1
                     asyncio.run(run_phase(p, n, conc, kind.startswith("s"), phases[(p.name, kind)]))
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-        rss = {p.name: rss_mb(p.proc.pid) if p.proc else float("nan") for p in paths}
-        fields = {p.name: field_check(p) for p in paths}
+        own = [p for p in paths if not p.extra_body]  # the payload rows reuse the bare and addon processes
+        rss = {p.name: rss_mb(p.proc.pid) if p.proc else float("nan") for p in own}
+        fields = {p.name: field_check(p) for p in own}
     finally:
         for p in paths:
             p.stop()
@@ -400,18 +413,28 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
               f"{pct(a.chunk_lat, .5) * 1e3:>8.2f}{pct(a.chunk_lat, .99) * 1e3:>8.2f}{pct(b.ttfb, .5) * 1e3:>8.2f}"
               f"{pct(b.chunk_lat, .5) * 1e3:>8.2f}{pct(b.chunk_lat, .99) * 1e3:>8.2f}{b.requests / b.wall:>9.1f}"
               f"{cpu:>9.3f}{a.errors + b.errors:>7}")
-    bare, ours = phases.get(("mitmdump", "ns16")), phases.get(("mitmdump+addon", "ns16"))
     print("\nproxy RSS after the run (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items() if v == v))
-    if bare and ours and bare.wall and ours.wall:
-        ratio = (ours.requests / ours.wall) / (bare.requests / bare.wall)
-        add1 = pct(phases[("mitmdump+addon", "ns1")].latencies, .5) - pct(phases[("mitmdump", "ns1")].latencies, .5)
-        print(f"addon vs bare mitmdump: throughput x{ratio:.2f} at 16 concurrent, p50 +{add1 * 1e3:.2f} ms at 1")
+    for name_bare, name_ours, what in (("mitmdump", "mitmdump+addon", "as deployed (addon injects ids+logprobs)"),
+                                       (PAYLOAD_BARE, PAYLOAD_OURS, "same payload (client asks for ids+logprobs)")):
+        if (name_bare, "ns16") not in phases or (name_ours, "ns16") not in phases:
+            continue
+        b16, o16 = phases[(name_bare, "ns16")], phases[(name_ours, "ns16")]
+        ratio = (o16.requests / o16.wall) / (b16.requests / b16.wall)
+        add1 = pct(phases[(name_ours, "ns1")].latencies, .5) - pct(phases[(name_bare, "ns1")].latencies, .5)
+        cpu = {n: sum(phases[(n, k)].cpu for k in ("ns1", "ns16")) /
+               max(1, sum(phases[(n, k)].requests for k in ("ns1", "ns16"))) for n in (name_bare, name_ours)}
+        chunk = {n: sum(phases[(n, k)].cpu for k in ("s1", "s16")) /
+                 max(1, sum(phases[(n, k)].chunks for k in ("s1", "s16"))) for n in (name_bare, name_ours)}
+        print(f"addon vs bare mitmdump, {what}: throughput x{ratio:.2f} at 16 concurrent, p50 {add1 * 1e3:+.2f} ms "
+              f"at 1, proxy CPU {(cpu[name_ours] - cpu[name_bare]) * 1e3:+.2f} ms/request, "
+              f"{(chunk[name_ours] - chunk[name_bare]) * 1e3:+.3f} ms/chunk")
     print("\nengine fields seen (ids = token_ids, lp = logprobs; plain = client asked for neither, "
           "asked = client sent return_token_ids+logprobs; record = what the flow file holds for them)")
     keys = ["plain", "plain (SSE)", "asked", "asked (SSE)", "record"]
     print(f"{'path':<16}" + "".join(f"{k:>13}" for k in keys))
     for p in paths:
-        print(f"{p.name:<16}" + "".join(f"{fields[p.name].get(k, '?'):>13}" for k in keys))
+        if p.name in fields:
+            print(f"{p.name:<16}" + "".join(f"{fields[p.name].get(k, '?'):>13}" for k in keys))
 
 
 if __name__ == "__main__":

@@ -174,11 +174,17 @@ def run_batch(
     """`attempts` episodes per task (a GRPO group), `concurrency` at a time (the engine's slots)."""
     jobs = [task for task in tasks for _ in range(attempts)]
     done: list[Episode] = []
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
         for episode in pool.map(lambda t: run_episode(proxy, t, **kwargs), jobs):
             done.append(episode)
             if on_done:
                 on_done(episode)
+    except BaseException:
+        # Ctrl-C: do not wait for calls in flight (they end when the caller stops the engine).
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return done
 
 

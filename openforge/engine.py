@@ -85,6 +85,16 @@ def resolve_chat_template(choice: str) -> str | None:
     return path.read_text()
 
 
+def die_with_parent() -> None:
+    """`preexec_fn` for child processes: on Linux the kernel sends SIGTERM to the child when its parent
+    dies, even by SIGKILL, so an engine or proxy never outlives the program that started it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def free_port() -> int:
     """An ephemeral port on 127.0.0.1 that was free a moment ago (the child binds it right after)."""
     with socket.socket() as sock:
@@ -171,7 +181,8 @@ class EmbeddedEngine:
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env
+            self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env,
+            preexec_fn=die_with_parent,
         )
         try:
             self._wait_ready()

@@ -624,7 +624,9 @@ class DriveReport:
         }
 
 
-DROP_REQUEST_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "accept-encoding"}
+DROP_REQUEST_HEADERS = {"host", "content-length", "transfer-encoding", "connection", "accept-encoding",
+                        "proxy-authorization", "cookie"}
+MASKED_HEADERS = {"authorization", "x-api-key"}
 
 
 def _drive_plan(exchanges: list[dict[str, Any]], side: Side) -> list[list[dict[str, Any]]]:
@@ -674,10 +676,14 @@ async def drive(
             obj = json.loads(body)
             obj["model"] = model
             body = json.dumps(obj).encode()
-        headers = {k: v for k, v in req.get("headers") or [] if k.lower() not in DROP_REQUEST_HEADERS}
-        if api_key:  # recorded credentials are masked; give a real one when the engine checks
-            headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "x-api-key")}
-            headers["authorization"] = f"Bearer {api_key}"
+        headers: dict[str, str | bytes] = {}
+        for k, v in req.get("headers") or []:
+            if k.lower() in DROP_REQUEST_HEADERS:
+                continue
+            if k.lower() in MASKED_HEADERS:  # recorded masked ("sk-a…wxyz"): send the given key or a placeholder
+                v = (f"Bearer {api_key or 'openforge-replay'}" if k.lower() == "authorization"
+                     else api_key or "openforge-replay")
+            headers[k] = v.encode() if isinstance(v, str) and not v.isascii() else v
         recorded = completion_of(protocol, ex["response"] if side == "engine" else _client_view(ex))
         parser = CompletionParser(protocol)
         t0 = time.perf_counter()

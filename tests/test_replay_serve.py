@@ -128,3 +128,23 @@ def test_replay_cli_errors_are_messages_not_tracebacks(tmp_path: Path) -> None:
     bad.write_bytes(b"not msgpack at all")
     res = runner.invoke(app, ["replay", "drive", str(bad), "--upstream", "http://127.0.0.1:9"])
     assert res.exit_code == 2 and "error:" in res.output
+
+
+def test_replay_serve_command_runs_until_interrupted(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    trace = chat_trace(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "openforge.cli", "replay", "serve", str(trace), "--port", "0",
+                             "--fast"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("replaying 3 recorded calls"), first
+        url = first.split(" on ")[1].split()[0]
+        body = {"model": "m", "messages": [SYSTEM, USER, ASSISTANT, TOOL_RESULT], "tools": TOOLS, "stream": True}
+        assert b"marker.txt" in httpx.post(url + "/v1/chat/completions", json=body).content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0 and "served 1 calls, 0 diverged" in out

@@ -55,6 +55,20 @@ def trainable_segments(input_ids: list[int], mask: list[int]) -> list[list[int]]
     return segs + ([cur] if cur else [])
 
 
+def tool_results(body: dict[str, Any]) -> list[str]:
+    """Text of every tool result in a request, whatever the protocol (Chat, Anthropic, Responses)."""
+    out = []
+    for m in body.get("messages") or []:
+        if m.get("role") == "tool":
+            out.append(json.dumps(m.get("content")))
+        if isinstance(m.get("content"), list):
+            out += [json.dumps(b.get("content")) for b in m["content"] if isinstance(b, dict) and b.get("type") == "tool_result"]
+    for item in body.get("input") or []:
+        if isinstance(item, dict) and item.get("type") == "function_call_output":
+            out.append(json.dumps(item.get("output")))
+    return out
+
+
 def check_run(run: CliRun, episode: str, source: str) -> None:
     assert run.result.returncode == 0, run.explain()
     calls = run.llm_calls
@@ -63,9 +77,9 @@ def check_run(run: CliRun, episode: str, source: str) -> None:
     for c in calls:
         assert c["complete"] and c["error"] is None and c["response"]["status"] == 200, c.get("error")
         assert c["has_token_ids"], "the engine's token ids were not captured"
-    # the tool really ran: the ls output holding the marker went back to the engine
-    bodies = [json.loads(c["client_request"]["body"]) for c in calls]
-    assert MARKER not in json.dumps(bodies[0]) and any(MARKER in json.dumps(b) for b in bodies[1:])
+    # the tool really ran: the ls output holding the marker went back to the engine as a tool result
+    results = [tool_results(json.loads(c["client_request"]["body"])) for c in calls]
+    assert results[0] == [] and any(MARKER in r for rs in results[1:] for r in rs), results
     # grouped into one episode, by the expected mechanism
     assert {(c["episode"], c["episode_source"]) for c in calls} == {(episode, source)}
     if run.name in SESSION_HEADERS:  # the CLI's own session id is stable across its calls

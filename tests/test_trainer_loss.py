@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.trainer_samples import tiny_model
+from tests.support.trainer_samples import one_torch_thread, tiny_model  # noqa: F401  (fixture)
 from trainer.config import TrainConfig
 from trainer.data import Sample
-from trainer.loss import ppo_loss, target_logprobs
+from trainer.loss import logit_positions, ppo_loss, target_logprobs
 from trainer.packing import coefficients, make_row, plan_rows, shard
 from trainer.train import forward_loss
 
@@ -80,7 +80,8 @@ def test_masked_tokens_get_no_gradient(model):
     row = make_row([base], coefficients([base], "token-mean"), packing=True)
     logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits.detach()
     logits.requires_grad_()
-    logp, _ = target_logprobs(logits, row)
+    positions = logit_positions(row)
+    logp, _ = target_logprobs(logits[:, positions], row, positions)
     (logp.sum()).backward()
     predicts_masked = ~torch.from_numpy(base.loss_mask[1:])
     assert logits.grad[0, :-1][predicts_masked].abs().max() == 0
@@ -93,8 +94,10 @@ def test_importance_ratio_is_exactly_one_when_behaviour_equals_current(model):
     coef = coefficients(batch, "token-mean")
     row = make_row(batch, coef, packing=True)
     with torch.no_grad():
-        logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits
-        logp, _ = target_logprobs(logits, row)
+        positions = logit_positions(row)
+        logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False,
+                       logits_to_keep=positions).logits
+        logp, _ = target_logprobs(logits, row, positions)
     # write the model's own logprobs where the engine's would be, as float32 like the samples column
     start = 0
     for s in batch:
@@ -106,6 +109,16 @@ def test_importance_ratio_is_exactly_one_when_behaviour_equals_current(model):
     assert stats["is_ratio_sum"] == stats["trainable"] == start
     assert stats["is_ratio_max"] == 1.0
     assert stats["is_truncated"] == 0 and stats["clipped"] == 0
+
+
+def test_an_empty_row_trains_nothing_but_reaches_every_parameter(model):
+    """A rank short of rows runs an empty one: zero loss, yet a gradient on every parameter (FSDP's
+    reduce-scatter needs every rank to take part)."""
+    model.zero_grad(set_to_none=True)
+    loss, stats = forward_loss(model, make_row([], {}, packing=True), TrainConfig())
+    loss.backward()
+    assert loss.item() == 0.0 and stats["trainable"] == 0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 def test_truncated_importance_sampling_caps_the_ratio():

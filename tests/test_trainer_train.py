@@ -1,14 +1,14 @@
 """End to end on a real DuckDB and a tiny Qwen3 with the real Qwen3 vocabulary: the loop, checkpoints,
-resume, 2 gloo processes, and the CLI's errors."""
+resume, 2 gloo processes, and the CLI's errors.
+
+One 2-step run (`baseline`, a checkpoint after each step) serves three tests: its checkpoint is loaded in
+transformers, it is interrupted and resumed, and the 2-rank run must reproduce it.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,27 +18,39 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from openforge.commands import train as train_command
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, tiny_model_dir, write_samples
-from trainer.config import dump_toml, load_config
+from tests.support.trainer_samples import (  # noqa: F401  (fixtures)
+    make_samples,
+    one_torch_thread,
+    qwen_tokenizer,
+    tiny_qwen_dir,
+    train_on_ranks,
+    write_samples,
+)
+from trainer.config import load_config
 from trainer.train import train
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_qwen_dir):
     base = tmp_path_factory.mktemp("trainer")
-    model = tiny_model_dir(base / "model")
     samples = make_samples(qwen_tokenizer(), 8, seed=0, episodes=4)
     db = write_samples(base / "runs.duckdb", samples)
-    return base, model, db, samples
+    return base, tiny_qwen_dir, db, samples
 
 
 def config(setup, out: str, **kw):
     base, model, db, _ = setup
-    values = dict(db=str(db), model=str(model), out=str(base / out), step_tokens=160, row_tokens=128,
-                  lr=3e-3, progress=False) | kw
+    values = dict(db=str(db), model=str(model), out=str(base / out), step_tokens=160, row_tokens=160,
+                  lr=3e-3, steps=2, progress=False) | kw
     return load_config(None, values)
+
+
+@pytest.fixture(scope="module")
+def baseline(setup) -> Path:
+    """Two PPO steps of ~4 samples each on one process, checkpointed after each step."""
+    cfg = config(setup, "baseline", save_every=1)
+    train(cfg, say=lambda _: None)
+    return Path(cfg.out)
 
 
 def metrics(out: Path) -> list[dict]:
@@ -51,27 +63,26 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_sft_overfits_a_fixed_batch(setup):
     cfg = config(setup, "overfit", objective="sft", where="sample_id IN ('s0000', 's0001')", step_tokens=4096,
-                 row_tokens=256, steps=6, lr=2e-2, grad_clip=100.0, min_lr_ratio=1.0)
+                 row_tokens=256, steps=5, lr=2e-2, grad_clip=100.0, min_lr_ratio=1.0)
     train(cfg, say=lambda _: None)
     losses = [m["loss"] for m in metrics(Path(cfg.out))]
     assert all(m["samples"] == 2 for m in metrics(Path(cfg.out)))  # the same global batch every step
     assert losses[-1] < 0.7 * losses[0] and losses[-1] == min(losses), losses
 
 
-def test_checkpoint_loads_in_transformers_with_identical_logits(setup):
+def test_checkpoint_loads_in_transformers_with_identical_logits(setup, baseline):
     from transformers import AutoModelForCausalLM
 
-    cfg = config(setup, "ckpt", steps=1)
-    ckpt = train(cfg, say=lambda _: None)
+    model_dir = setup[1]
+    ckpt = baseline / "checkpoints" / "step_000002"
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "trainer_state.pt").is_file()
-    assert (ckpt / "tokenizer.json").read_bytes() == (Path(cfg.model) / "tokenizer.json").read_bytes()
-    loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    start = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
+    assert (ckpt / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
     # the saved tensors are the trained ones (not the start), and loading them reproduces their logits
     trained = weights(ckpt)
     name = "model.layers.0.mlp.up_proj.weight"
-    assert not torch.equal(trained[name], start.state_dict()[name])
-    reference = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
+    assert not torch.equal(trained[name], weights(model_dir)[name])
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     reference.load_state_dict(trained, strict=False)
     reference.tie_weights()
     ids = torch.tensor([setup[3][0]["input_ids"]])
@@ -79,53 +90,31 @@ def test_checkpoint_loads_in_transformers_with_identical_logits(setup):
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
 
 
-def test_resume_gives_the_same_next_step(setup):
-    base = setup[0]
-    cfg = config(setup, "uninterrupted", steps=3, save_every=2)
-    train(cfg, say=lambda _: None)
-    full = Path(cfg.out)
-    # an "interrupted" run: the same run stopped after step 2's checkpoint
-    cut = base / "interrupted"
-    shutil.copytree(full, cut)
-    shutil.rmtree(cut / "checkpoints" / "step_000003")
-    resumed_cfg = config(setup, "interrupted", steps=3, save_every=2)
-    train(resumed_cfg, resume=True, say=lambda _: None)
-    a, b = metrics(full), metrics(cut)
-    assert [m["step"] for m in b] == [1, 2, 3]
+def test_resume_gives_the_same_next_step(setup, baseline):
+    # an "interrupted" run: the baseline stopped after step 1's checkpoint
+    cut = setup[0] / "interrupted"
+    shutil.copytree(baseline, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_000002")
+    train(config(setup, "interrupted", save_every=1), resume=True, say=lambda _: None)
+    a, b = metrics(baseline), metrics(cut)
+    assert [m["step"] for m in b] == [1, 2]
     for key in ("loss", "grad_norm", "lr", "samples", "tokens", "is_ratio_mean"):
-        assert b[2][key] == pytest.approx(a[2][key], rel=1e-6), key
-    wa, wb = weights(full / "checkpoints" / "step_000003"), weights(cut / "checkpoints" / "step_000003")
+        assert b[1][key] == pytest.approx(a[1][key], rel=1e-6), key
+    wa, wb = weights(baseline / "checkpoints" / "step_000002"), weights(cut / "checkpoints" / "step_000002")
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-7)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_gloo_processes_match_one_process(setup):
-    base = setup[0]
-    one = config(setup, "one_rank", steps=2)
-    train(one, say=lambda _: None)
-    two = config(setup, "two_ranks", steps=2)
-    cfg_file = base / "two.toml"
-    cfg_file.write_text(dump_toml(two))
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), str(ROOT / "tests/support/trainer_worker.py"), str(cfg_file)],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = metrics(Path(one.out)), metrics(Path(two.out))
+def test_two_gloo_processes_match_one_process(setup, baseline):
+    two = config(setup, "two_ranks")
+    train_on_ranks(two, world_size=2)
+    a, b = metrics(baseline), metrics(Path(two.out))
     assert len(a) == len(b) == 2
     for ma, mb in zip(a, b):
         assert mb["samples"] == ma["samples"] and mb["tokens"] == ma["tokens"]
         for key in ("loss", "grad_norm", "entropy", "is_ratio_mean", "clip_frac"):
             assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-7), key
-    wa = weights(Path(one.out) / "checkpoints" / "step_000002")
+    wa = weights(baseline / "checkpoints" / "step_000002")
     wb = weights(Path(two.out) / "checkpoints" / "step_000002")
     assert wa.keys() == wb.keys()
     for name in wa:

@@ -56,6 +56,16 @@ class SampleSource:
         self.filter = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
         self.shuffle, self.seed = shuffle, seed
 
+    def __enter__(self) -> "SampleSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the database (a forked or later process may then open it afresh)."""
+        self.con.close()
+
     def _order(self, epoch: int) -> str:
         if not self.shuffle:
             return "sample_id"

@@ -13,14 +13,24 @@ from trainer.config import TrainConfig
 from trainer.packing import Row
 
 
-def target_logprobs(logits: torch.Tensor, row: Row) -> tuple[torch.Tensor, torch.Tensor]:
+def logit_positions(row: Row) -> torch.Tensor:
+    """Positions whose logits the loss reads: those predicting a trainable token (in any sequence of the row).
+
+    The model projects only these onto the vocabulary (`logits_to_keep`): prompts and tool outputs, most
+    of an agent trace, never become [tokens, vocab] logits. At least one, so an empty row still backprops.
+    """
+    positions = row.loss_mask[:, 1:].any(0).nonzero().squeeze(-1)
+    return positions if positions.numel() else torch.zeros(1, dtype=torch.long, device=positions.device)
+
+
+def target_logprobs(logits: torch.Tensor, row: Row, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the trainable targets (with grad) and the policy's entropy there (without).
 
-    Only trainable positions go through log_softmax, which keeps the [tokens, vocab] memory small.
+    `logits` [B, len(positions), vocab] are the model's logits at `positions` (see `logit_positions`).
     """
-    sel = row.loss_mask[:, 1:]
-    logp_all = logits[:, :-1][sel].float().log_softmax(-1)
-    logp = logp_all.gather(-1, row.input_ids[:, 1:][sel][:, None]).squeeze(-1)
+    sel = row.loss_mask[:, 1:][:, positions]
+    logp_all = logits[sel].float().log_softmax(-1)
+    logp = logp_all.gather(-1, row.input_ids[:, 1:][:, positions][sel][:, None]).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
@@ -74,15 +84,15 @@ def sft_loss(logp: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, dict
                   "is_truncated": 0.0, "clipped": 0.0}
 
 
-def row_loss(logits: torch.Tensor, row: Row, cfg: TrainConfig, ref_logits: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+def row_loss(logits: torch.Tensor, row: Row, positions: torch.Tensor, cfg: TrainConfig,
+             ref_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The chosen objective on one row, plus token count and entropy sums for the step's metrics."""
-    logp, entropy = target_logprobs(logits, row)
+    logp, entropy = target_logprobs(logits, row, positions)
     coef = targets(row.coef, row)
     if cfg.objective == "sft":
         loss, stats = sft_loss(logp, coef)
     else:
-        ref_logp = target_logprobs(ref_logits, row)[0] if ref_logits is not None else None
+        ref_logp = target_logprobs(ref_logits, row, positions)[0] if ref_logits is not None else None
         loss, stats = ppo_loss(logp, targets(row.behaviour, row), targets(row.advantage, row), coef, cfg, ref_logp)
     stats |= {"loss": loss.item(), "trainable": float(logp.numel()), "entropy_sum": entropy.sum().item()}
     return loss, stats

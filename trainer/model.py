@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer.data import DataError
 
@@ -43,14 +44,26 @@ def tokenizer_vocab_size(path: str | Path) -> int | None:
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         return None
-    from tokenizers import Tokenizer  # the Rust tokenizer alone: seconds faster than AutoTokenizer
+    with file.open("rb") as f:
+        digest = hashlib.file_digest(f, "blake2b").hexdigest()
+    if digest not in _TOKENIZER_SIZES:  # parsing costs seconds; checkpoints copy the same file
+        from tokenizers import Tokenizer  # the Rust tokenizer alone: seconds faster than AutoTokenizer
 
-    return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+        _TOKENIZER_SIZES[digest] = Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+    return _TOKENIZER_SIZES[digest]
 
 
-def check_vocab(model: torch.nn.Module, model_path: str, sample_vocabs: list[tuple[int, str]]) -> None:
-    """Samples tokenised for another model would train garbage (or index out of the embedding)."""
-    rows = model.get_input_embeddings().num_embeddings
+_TOKENIZER_SIZES: dict[str, int] = {}
+
+
+def check_vocab(model_path: str, sample_vocabs: list[tuple[int, str]]) -> None:
+    """Samples tokenised for another model would train garbage (or index out of the embedding).
+
+    Reads config.json and tokenizer.json only, so a mismatch is reported before any weights load.
+    """
+    if not (Path(model_path) / "config.json").is_file():
+        raise DataError(f"--model {model_path} is not a Hugging Face model directory (no config.json)")
+    rows = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
     tokenizer_size = tokenizer_vocab_size(model_path)
     for vocab_size, name in sample_vocabs:
         if vocab_size > rows:

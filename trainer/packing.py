@@ -92,9 +92,9 @@ def plan_rows(samples: list[Sample], row_tokens: int, packing: bool) -> list[lis
 
 
 def make_row(samples: list[Sample], coef: dict[str, float], packing: bool) -> Row:
-    """Tensors for one forward pass; an empty list gives a one-token row that trains nothing."""
+    """Tensors for one forward pass; an empty list gives a two-token row that trains nothing."""
     if not samples:
-        one = torch.zeros(1, 1)
+        one = torch.zeros(1, 2)
         return Row(one.long(), one.long(), None, one.bool(), one, one, one, 0)
     if packing:
         cat = lambda xs: torch.from_numpy(np.concatenate(xs))[None]  # noqa: E731

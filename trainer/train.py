@@ -21,7 +21,7 @@ import torch.distributed as dist
 from trainer import checkpoint
 from trainer.config import TrainConfig
 from trainer.data import Position, Sample, SampleSource, count_steps
-from trainer.loss import row_loss
+from trainer.loss import logit_positions, row_loss
 from trainer.model import check_vocab, load_model, shard
 from trainer.packing import Row, coefficients, make_row, plan_rows
 from trainer.packing import shard as share_of
@@ -31,14 +31,15 @@ def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.
                  ) -> tuple[torch.Tensor, dict[str, float]]:
     """One forward pass of a row and its loss (the reference model runs without grad)."""
     autocast = torch.autocast("cuda", torch.bfloat16) if row.input_ids.is_cuda else contextlib.nullcontext()
+    positions = logit_positions(row)
     # use_cache=False matters: with a cache, transformers ignores restarting position ids (no packing mask)
     inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
-                  use_cache=False)
+                  use_cache=False, logits_to_keep=positions)
     with autocast:
         logits = model(**inputs).logits
         with torch.no_grad():
             ref_logits = ref(**inputs).logits if ref is not None else None
-    return row_loss(logits, row, cfg, ref_logits)
+    return row_loss(logits, row, positions, cfg, ref_logits)
 
 
 def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print) -> Path:
@@ -61,8 +62,8 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     if resume and ckpt is None and master:
         say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
     model_dir = str(ckpt or cfg.model)
+    check_vocab(model_dir, source.vocab_sizes())
     model = load_model(model_dir, device, cfg.grad_checkpointing)
-    check_vocab(model, model_dir, source.vocab_sizes())
     ref = None
     if cfg.kl_coef > 0:
         ref = load_model(cfg.ref_model or cfg.model, device).eval().requires_grad_(False)
@@ -82,7 +83,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     progress = ProgressBar(cfg.progress and master, total_steps, step)
     epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
     batches = source.batches(cfg.step_tokens, position, epochs)
-    with progress:
+    with progress, source:
         for batch, next_position in batches:
             if step >= total_steps:
                 break

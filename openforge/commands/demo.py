@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -10,6 +11,10 @@ import typer
 
 def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 def demo(
@@ -22,13 +27,14 @@ def demo(
     steps: int = typer.Option(2, "--steps", min=1, help="GRPO optimizer steps."),
     step_tokens: int = typer.Option(4096, "--step-tokens", min=256, help="Tokens per optimizer step."),
     lr: float = typer.Option(1e-5, "--lr", help="Learning rate."),
-    bf16: bool = typer.Option(True, "--bf16/--fp32", help="bf16 autocast for the training forward pass on CPU."),
+    bf16: Optional[bool] = typer.Option(None, "--bf16/--fp32", help="bf16 autocast for training on CPU. "
+                                        "Default: bf16 where the CPU has AVX512-BF16 or AMX, else fp32 (faster there)."),
     threads: int = typer.Option(2, "--threads", min=1, help="llama.cpp CPU threads (1 is faster on a busy machine)."),
 ) -> None:
     """Run the whole loop: engine, proxy, agent episodes, reconstruct, GRPO, GGUF export, updated engine."""
     from rich.console import Console
 
-    from openforge.demo import Demo, DemoConfig, clean_out
+    from openforge.demo import Demo, DemoConfig, DemoError, clean_out
     from openforge.engine import EngineError
     from openforge.models import ModelNotFound
 
@@ -39,12 +45,16 @@ def demo(
         typer.echo(f"error: GGUF file not found: {gguf}", err=True)
         raise typer.Exit(2)
     clean_out(out)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the demo as Ctrl-C does: children first
     try:
         runner = Demo(cfg, console)
         runner.run()
     except (ModelNotFound, EngineError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    except DemoError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: engine and proxy stopped; files written so far are complete.")
         raise typer.Exit(130) from None

@@ -49,8 +49,7 @@ def serve(
     fast: bool = typer.Option(False, "--fast", help="Send answers as fast as possible instead of at the recorded pace."),
     speed: float = typer.Option(1.0, help="Pace multiplier (2.0 = twice as fast as recorded); ignored with --fast."),
 ) -> None:
-    """Serve a trace: each call is matched to a recorded one by its conversation and answered with the
-    recorded (streamed) response; a call that matches nothing gets an error saying where it diverged."""
+    """Answer calls from a trace, matched by conversation; a call that matches nothing gets an error saying where it diverged."""
     from openforge.replay import ReplayError, ReplayIndex, ReplayServer
 
     exchanges = _load(trace)
@@ -94,8 +93,7 @@ def drive(
     timeout: float = typer.Option(300.0, help="Per-request timeout in seconds."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the summary and per-call results as JSON here."),
 ) -> None:
-    """Re-send a trace's calls to an engine; print throughput, TTFT / latency percentiles and how far the
-    new completions diverge from the recorded ones (identical fraction, mean common-prefix ratio)."""
+    """Re-send a trace's calls to an engine: throughput, TTFT and latency percentiles, divergence from the recorded outputs."""
     import asyncio
     from dataclasses import asdict
 

