@@ -21,6 +21,7 @@ from toolchains import run as toolchains
 
 pytestmark = pytest.mark.slow
 
+TRANSLATED = {"claude-code", "codex"}
 SESSION_HEADERS = {"claude-code": "x-claude-code-session-id", "codex": "session-id"}
 
 
@@ -77,6 +78,9 @@ def check_run(run: CliRun, episode: str, source: str) -> None:
     for c in calls:
         assert c["complete"] and c["error"] is None and c["response"]["status"] == 200, c.get("error")
         assert c["has_token_ids"], "the engine's token ids were not captured"
+        if run.name in TRANSLATED:  # Anthropic Messages / Responses reach the engine as Chat Completions
+            assert c["translated"] and c["translated"]["to"] == "chat", c["translated"]
+            assert c["upstream_request"]["url"].split("?")[0].endswith("/chat/completions")
     # the tool really ran: the ls output holding the marker went back to the engine as a tool result
     results = [tool_results(json.loads(c["client_request"]["body"])) for c in calls]
     assert results[0] == [] and any(MARKER in r for rs in results[1:] for r in rs), results
