@@ -1,10 +1,17 @@
-"""Trainer throughput: packed rows vs one-bucketed-padded-batch-per-row, on agent-trace-like lengths.
+"""Trainer throughput: packed rows vs padded micro-batches, on agent-trace-like lengths.
 
-    .venv/bin/python bench/trainer_throughput.py [--samples 96] [--row-tokens 2048] [--hidden 256]
+    PYTHONPATH=. .venv/bin/python bench/trainer_throughput.py [--samples 96] [--row-tokens 2048] [--hidden 256]
 
 Lengths are long-tailed like agent traces (log-normal: many short single-call samples, a few long
-multi-turn ones). Both modes train the same samples with the same objective; the table shows tokens/s
-of real (non-pad) tokens, the share of computed tokens that are real, and on CUDA the model FLOPs utilisation.
+multi-turn ones). Every mode trains the same samples with the same objective and the same token budget
+per forward pass (`row_tokens`):
+- padded, batch max: the baseline RL trainers use without packing: micro-batches of B samples in arrival
+  order, every sample padded to the longest of the global batch (B = row_tokens // that length);
+- padded, micro-batch max: the same groups, each padded only to its own longest;
+- padded+bucketed: length-sorted groups, as many per row as fit (the trainer's `packing = false`);
+- packed: several samples per row, position ids restarting, no attention across samples.
+The table shows tokens/s of real (non-pad) tokens (best of `--repeats` interleaved runs, the machine may be
+shared), the share of computed tokens that are real, and on CUDA the model FLOPs utilisation.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trainer.config import TrainConfig
 from trainer.data import Sample
-from trainer.packing import coefficients, make_row, plan_rows
+from trainer.packing import Row, coefficients, make_row, plan_rows
 from trainer.train import forward_loss
 
 
@@ -36,20 +43,29 @@ def make_batch(lengths: np.ndarray, vocab: int, rng: np.random.Generator) -> lis
     return out
 
 
-def naive_rows(batch: list[Sample], per_row: int) -> list[list[Sample]]:
-    """The usual padded baseline: fixed-size groups in arrival order, each padded to its longest."""
+def arrival_rows(batch: list[Sample], per_row: int) -> list[list[Sample]]:
+    """Fixed-size groups in arrival order (no bucketing)."""
     return [batch[i:i + per_row] for i in range(0, len(batch), per_row)]
 
 
-def run(model, batch, cfg: TrainConfig, device, rows: list[list[Sample]] | None = None) -> dict[str, float]:
+def pad_to(row: Row, width: int) -> Row:
+    """Right-pad a padded row to `width` tokens (pads are masked out of attention and loss)."""
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+    positions = torch.arange(width).expand(row.input_ids.shape[0], width).clone()
+    return Row(pad(row.input_ids), positions, pad(row.attention_mask), pad(row.loss_mask), pad(row.behaviour),
+               pad(row.advantage), pad(row.coef), row.n_real)
+
+
+def run(model, batch, cfg: TrainConfig, device, rows: list[list[Sample]], width: int = 0) -> dict[str, float]:
+    """One forward/backward per row over the whole batch; real = non-pad tokens, computed = all tokens."""
     coef = coefficients(batch, cfg.aggregation)
-    rows = rows or plan_rows(batch, cfg.row_tokens, cfg.packing)
     real = computed = 0
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for group in rows:
-        row = make_row(group, coef, cfg.packing).to(device)
+        row = make_row(group, coef, cfg.packing)
+        row = (pad_to(row, width) if width else row).to(device)
         loss, _ = forward_loss(model, row, cfg)
         loss.backward()
         real += row.n_real
@@ -69,10 +85,14 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="accelerator bf16 dense peak, for MFU")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per mode; the best is reported")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
@@ -85,20 +105,27 @@ def main() -> None:
     batch = make_batch(lengths, args.vocab, rng)
     print(f"{device.type}: {n_params / 1e6:.1f}M params, {len(batch)} samples, {lengths.sum()} tokens, "
           f"lengths median {int(np.median(lengths))} p90 {int(np.percentile(lengths, 90))} max {lengths.max()}, "
-          f"row_tokens {args.row_tokens}")
+          f"row_tokens {args.row_tokens}, {torch.get_num_threads()} thread(s)")
 
-    warm = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30)
-    run(model, batch[:4], warm, device)  # warm-up (allocator, kernels)
     padded = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=False)
     packed = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=True)
-    per_row = max(1, args.row_tokens // int(lengths.max()))  # as many as fit at the longest length
-    results = {
-        f"padded (B={per_row})": run(model, batch, padded, device, naive_rows(batch, per_row)),
-        "padded+bucketed": run(model, batch, padded, device),
-        "packed": run(model, batch, packed, device),
+    longest = int(lengths.max())
+    per_row = max(1, args.row_tokens // longest)  # as many as fit at the batch's longest length
+    modes = {
+        f"padded, batch max (B={per_row})": (padded, arrival_rows(batch, per_row), longest),
+        f"padded, micro max (B={per_row})": (padded, arrival_rows(batch, per_row), 0),
+        "padded+bucketed": (padded, plan_rows(batch, args.row_tokens, False), 0),
+        "packed": (packed, plan_rows(batch, args.row_tokens, True), 0),
     }
+    run(model, batch[:4], packed, device, plan_rows(batch[:4], args.row_tokens, True))  # warm-up
+    results: dict[str, dict[str, float]] = {}
+    for _ in range(args.repeats):  # interleaved, best of: a shared machine's load hits every mode alike
+        for name, (cfg, rows, width) in modes.items():
+            r = run(model, batch, cfg, device, rows, width)
+            if name not in results or r["seconds"] < results[name]["seconds"]:
+                results[name] = r
 
-    header = f"{'mode':<18} {'rows':>5} {'real tok':>9} {'computed':>9} {'real share':>10} {'tok/s':>9} {'speedup':>8}"
+    header = f"{'mode':<28} {'rows':>5} {'real tok':>9} {'computed':>9} {'real share':>10} {'tok/s':>9} {'speedup':>8}"
     if device.type == "cuda":
         header += f" {'MFU':>6}"
     print(header)
@@ -106,7 +133,7 @@ def main() -> None:
     base = first["real"] / first["seconds"]
     for name, r in results.items():
         tps = r["real"] / r["seconds"]
-        line = (f"{name:<18} {r['rows']:>5} {r['real']:>9} {r['computed']:>9} {r['real'] / r['computed']:>10.1%} "
+        line = (f"{name:<28} {r['rows']:>5} {r['real']:>9} {r['computed']:>9} {r['real'] / r['computed']:>10.1%} "
                 f"{tps:>9.0f} {tps / base:>7.2f}x")
         if device.type == "cuda":
             line += f" {6 * n_params * tps / (args.peak_tflops * 1e12):>6.1%}"
