@@ -46,6 +46,7 @@ class Summary:
     records: int = 0
     calls: int = 0
     calls_engine_ids: int = 0
+    calls_mixed: int = 0  # engine completion ids, prompt rendered by the template (llama.cpp gives no prompt ids)
     calls_retokenized: int = 0
     rewards: int = 0
     skipped: Counter = field(default_factory=Counter)
@@ -266,6 +267,8 @@ def _ingest_record(rec, file_id, retok, linker, hasher, run, bufs, summary: Summ
     summary.calls += 1
     if source == "engine":
         summary.calls_engine_ids += 1
+    elif source == "mixed":
+        summary.calls_mixed += 1
     else:
         summary.calls_retokenized += 1
 

@@ -93,7 +93,7 @@ def print_summary(summary) -> None:
     rows = [
         ("files", f"{summary.files} ({summary.files_ingested} read, {summary.files_unchanged} unchanged)"),
         ("records", summary.records),
-        ("calls", f"{summary.calls} ({summary.calls_engine_ids} engine ids, {summary.calls_retokenized} retokenized)"),
+        ("calls", f"{summary.calls} ({summary.calls_engine_ids} engine ids, {summary.calls_mixed} engine completion ids, {summary.calls_retokenized} retokenized)"),
         ("rewards", summary.rewards),
         ("episodes built", summary.episodes),
         ("samples", summary.samples),
