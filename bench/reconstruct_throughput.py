@@ -1,8 +1,9 @@
 """Reconstruct throughput vs raw Hugging Face batch encoding of the same text, and peak memory at 2 sizes.
 
-Corpus: realistic agent traces written with the real FlowWriter (Qwen3 tokenizer and template): a long
-shared system prompt, `--turns` tool calls per episode, tool outputs of a few hundred bytes.
-`python bench/reconstruct_throughput.py [--episodes 40] [--turns 10]`
+Corpus: realistic agent traces written with the real FlowWriter (Qwen3 tokenizer and template): a
+~5k-token system prompt shared by every call (Claude Code's is of that order), `--turns` tool calls per
+episode, ~120-token tool outputs. Measured at two corpus sizes so fixed start costs show as such.
+`python bench/reconstruct_throughput.py [--episodes 8] [--turns 20]`
 """
 
 from __future__ import annotations
@@ -19,15 +20,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SYSTEM = ("You are an autonomous software engineering agent working inside a real repository. " * 40).strip()
+WORDS = ("agent tool file repository test command shell output error patch diff commit branch function class "
+         "module import config build lint format type check review plan step task user request answer").split()
+
+
+def system_prompt(sentences: int = 250) -> str:
+    """A Claude Code-sized system prompt (~several thousand tokens of varied instructions), the same every call."""
+    import random
+
+    rng = random.Random(0)
+    lines = [f"{i + 1}. When the {rng.choice(WORDS)} {rng.choice(WORDS)} needs a {rng.choice(WORDS)}, "
+             f"{' '.join(rng.choices(WORDS, k=8))}." for i in range(sentences)]
+    return "You are an autonomous software engineering agent working inside a real repository.\n" + "\n".join(lines)
+
+
+def tool_output(turn: int) -> str:
+    """A few hundred bytes of shell output per tool call."""
+    return "".join(f"src/pkg/module_{turn}_{k}.py:{10 * k + turn}: def handler_{k}(request, context):\n" for k in range(6))
 
 
 def make_corpus(directory: Path, episodes: int, turns: int, engine_ids: bool) -> None:
     from tests.support.reconstruct_flows import FlowFactory
 
-    f = FlowFactory(directory, seed=episodes)
+    f, system = FlowFactory(directory, seed=episodes), system_prompt()
     for n in range(episodes):
-        f.tool_loop(f"ep{n}", turns=turns, engine_ids=engine_ids, system=SYSTEM, task=f"Fix issue #{n}")
+        f.tool_loop(f"ep{n}", turns=turns, engine_ids=engine_ids, system=system, task=f"Fix issue #{n}",
+                    tool_output=tool_output)
     f.close()
 
 
@@ -83,25 +101,27 @@ def measure(kind: str, episodes: int, turns: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--episodes", type=int, default=40)
-    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--episodes", type=int, default=8, help="episodes in the smaller corpus; the larger has twice as many")
+    ap.add_argument("--turns", type=int, default=20, help="tool calls per episode (each episode has turns + 1 calls)")
     ap.add_argument("--child", choices=["raw", "retokenized", "engine"])
     a = ap.parse_args()
     if a.child:
         child(a.child, a.episodes, a.turns)
         return
-    rows = {k: measure(k, a.episodes, a.turns) for k in ("raw", "retokenized", "engine")}
-    raw_tps = rows["raw"]["tokens"] / rows["raw"]["seconds"]
-    print(f"corpus: {a.episodes} episodes x {a.turns + 1} calls; every call's prompt + completion: "
-          f"{rows['raw']['tokens']} tokens (raw HF) / {rows['retokenized']['tokens']} (reconstruct)")
-    print(f"{'':28}{'tokens/s':>12}{'vs raw':>9}")
-    print(f"{'raw HF encode_batch':28}{raw_tps:12.0f}{1:9.2f}")
-    for k in ("retokenized", "engine"):
-        tps = rows[k]["tokens"] / rows[k]["seconds"]
-        print(f"{'reconstruct, ' + k:28}{tps:12.0f}{tps / raw_tps:9.2f}")
+    rss = {}
+    for episodes in (a.episodes, 2 * a.episodes):
+        rows = {k: measure(k, episodes, a.turns) for k in ("raw", "retokenized", "engine")}
+        rss[episodes] = rows["engine"]
+        raw_tps = rows["raw"]["tokens"] / rows["raw"]["seconds"]
+        print(f"corpus: {episodes} episodes x {a.turns + 1} calls; every call's prompt + completion: "
+              f"{rows['raw']['tokens']} tokens (raw HF) / {rows['retokenized']['tokens']} (reconstruct)")
+        print(f"{'':28}{'tokens/s':>12}{'seconds':>9}{'vs raw':>9}")
+        print(f"{'raw HF encode_batch':28}{raw_tps:12.0f}{rows['raw']['seconds']:9.2f}{1:9.2f}")
+        for k in ("retokenized", "engine"):
+            tps = rows[k]["tokens"] / rows[k]["seconds"]
+            print(f"{'reconstruct, ' + k:28}{tps:12.0f}{rows[k]['seconds']:9.2f}{tps / raw_tps:9.2f}")
     print("peak RSS of the reconstruct process (engine ids), two corpus sizes:")
-    for n in (a.episodes // 2, a.episodes * 2):
-        r = measure("engine", n, a.turns)
+    for n, r in rss.items():
         print(f"  {n:5d} episodes: {r['rss_mb']:.0f} MB peak, +{r['rss_growth_mb']:.0f} MB during reconstruct")
 
 

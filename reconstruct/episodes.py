@@ -62,12 +62,17 @@ class ChainHasher:
     O(turns^2) JSON encodings per episode; with the memo each message is encoded once, and later
     calls only pay a tuple hash per message. Values are exactly `chain_hashes`'s (they are stored and
     compared across runs). The memo is cleared when full, so memory stays bounded.
+
+    `fresh` collects (strict prefix hash, JSON) for every tools list and message met for the first time
+    (a memo miss): stored once in `call_messages`, they give back any call's conversation from its
+    strict hashes, so no call stores its whole conversation (O(turns^2) bytes per episode).
     """
 
     def __init__(self, max_entries: int = 16384) -> None:
         self._memo: dict[tuple, tuple[str, str]] = {}
         self._tools: dict[str, str] = {}
         self._max = max_entries
+        self.fresh: list[tuple[str, str]] = []
 
     def hashes(
         self, messages: list[dict[str, Any]], tools: Any, completion: dict[str, Any]
@@ -80,6 +85,7 @@ class ChainHasher:
         root = self._tools.get(tools_json)
         if root is None:
             root = self._tools[tools_json] = _h("", tools_json)
+            self.fresh.append((root, json.dumps(tools)))
         loose, strict = root, root
         loose_out, strict_out = [root], [root]
         for m in messages:
@@ -94,6 +100,7 @@ class ChainHasher:
         out = self._memo.get(k)
         if out is None:
             out = self._memo[k] = (_h(loose, loose_message(m)), _h(strict, strict_message(m)))
+            self.fresh.append((out[1], json.dumps(m)))
         return out
 
 

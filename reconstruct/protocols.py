@@ -15,6 +15,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+try:
+    import orjson
+except ImportError:  # optional speed-up; the stdlib parses the same documents
+    orjson = None  # type: ignore[assignment]
+
 LLM_PROTOCOLS = ("chat", "completions", "responses", "anthropic")
 
 
@@ -98,9 +103,20 @@ def _response_bytes(response: dict[str, Any]) -> bytes:
     return bytes(response.get("body") or b"")
 
 
+def _loads(data: Any) -> Any:
+    """orjson where installed (3-5x faster on bodies full of token ids); the stdlib for what it rejects
+    (NaN/Infinity literals, which some engines write in logprobs)."""
+    if orjson is not None:
+        try:
+            return orjson.loads(data)
+        except (orjson.JSONDecodeError, TypeError):
+            pass
+    return json.loads(data)
+
+
 def _json_body(body: Any, what: str) -> Any:
     try:
-        return json.loads(body or b"")
+        return _loads(body or b"")
     except (ValueError, TypeError) as e:
         raise Skip("non_json_body", f"{what} body is not JSON: {e}") from None
 
@@ -125,7 +141,7 @@ def _sse_json(raw: bytes) -> Iterator[tuple[str | None, dict[str, Any]]]:
         if data.strip() == "[DONE]":
             continue
         try:
-            obj = json.loads(data)
+            obj = _loads(data)
         except ValueError:
             raise Skip("non_json_body", f"SSE event is not JSON: {data[:200]}") from None
         if name == "error" or (

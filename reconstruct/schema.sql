@@ -121,7 +121,16 @@ CREATE TABLE IF NOT EXISTS call_tokens (
     conv_end            VARCHAR NOT NULL,   -- loose hash of messages + completion
     strict_hashes       VARCHAR[] NOT NULL, -- the same without normalisation (ids, argument bytes, reasoning)
     strict_end          VARCHAR NOT NULL,
-    messages            JSON,               -- canonical conversation (chat-template shape)
-    tools               JSON,
+    messages            JSON,               -- canonical conversation (chat-template shape); NULL since call_messages
+    tools               JSON,               -- NULL since call_messages
     completion          JSON                -- canonical assistant message the call produced
+);
+
+-- Added in 1 (compatible): each tools list and conversation message once, keyed by its strict prefix hash
+-- (call_tokens.strict_hashes[1] is the tools, [k+1] the k-th message). A call's conversation is
+-- read back from its strict hashes when a near-continuation is classified; storing it per call would
+-- cost O(turns^2) bytes per episode.
+CREATE TABLE IF NOT EXISTS call_messages (
+    hash    VARCHAR PRIMARY KEY,
+    message JSON NOT NULL
 );

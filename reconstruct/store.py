@@ -6,6 +6,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 SCHEMA_VERSION = "1"
@@ -54,29 +55,54 @@ def connect(db: str | Path) -> Any:
     return con
 
 
+def numeric_list_array(values: list[np.ndarray | None], typ: pa.ListType) -> pa.Array:
+    """numpy arrays (None = NULL) as one Arrow list column: one concatenation, no per-element Python work."""
+    dtype = typ.value_type.to_pandas_dtype()
+    present = [v for v in values if v is not None]
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum([0 if v is None else len(v) for v in values], out=offsets[1:])
+    flat = np.concatenate(present).astype(dtype, copy=False) if present else np.zeros(0, dtype)
+    mask = pa.array([v is None for v in values]) if len(present) < len(values) else None
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat), type=typ, mask=mask)
+
+
+def _column(values: list[Any], typ: pa.DataType | None) -> pa.Array:
+    if typ is not None and pa.types.is_list(typ) and typ.value_type != pa.string():
+        return numeric_list_array([None if v is None else np.asarray(v) for v in values], typ)
+    return pa.array(values, type=typ)
+
+
 class Buffer:
-    """Rows for one table, flushed as a single Arrow batch (`INSERT ... SELECT` from the batch)."""
+    """Rows for one table, flushed as a single Arrow batch (`INSERT ... SELECT` from the batch).
+
+    `cells` counts the numeric list elements held, so callers can flush by volume (bounded memory
+    whatever the prompt length), not only by row count.
+    """
 
     def __init__(self, con: Any, table: str, columns: list[str], ignore_conflicts: bool = False) -> None:
         self.con, self.table, self.columns = con, table, columns
         self.ignore = ignore_conflicts
         self.rows: dict[str, list[Any]] = {c: [] for c in columns}
         self.n = 0
+        self.cells = 0
 
     def add(self, **row: Any) -> None:
         for c in self.columns:
-            self.rows[c].append(row.get(c))
+            v = row.get(c)
+            self.rows[c].append(v)
+            if isinstance(v, np.ndarray):
+                self.cells += len(v)
         self.n += 1
 
     def flush(self) -> int:
         if not self.n:
             return 0
-        arrays = {c: pa.array(v, type=COLUMN_TYPES.get(c)) for c, v in self.rows.items()}
+        arrays = {c: _column(v, COLUMN_TYPES.get(c)) for c, v in self.rows.items()}
         self.con.register("_openforge_batch", pa.table(arrays))
         cols = ", ".join(self.columns)
         verb = "INSERT OR IGNORE" if self.ignore else "INSERT"
         self.con.execute(f"{verb} INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch")
         self.con.unregister("_openforge_batch")
-        n, self.n = self.n, 0
+        n, self.n, self.cells = self.n, 0, 0
         self.rows = {c: [] for c in self.columns}
         return n

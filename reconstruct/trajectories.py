@@ -8,6 +8,7 @@ Every call's completion is trainable in exactly one sample: the first leaf (in c
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,24 +51,22 @@ def _extends(prompt: np.ndarray, prev: TreeCall) -> bool:
 def build_tree(calls: list[TreeCall]) -> list[int | None]:
     """Parent index per call (calls in start order): the longest earlier chain its prompt extends."""
     parents: list[int | None] = []
+    by_end: list[tuple[int, int]] = []  # (-end, index) of earlier calls, longest first: the first match is the best
     for i, c in enumerate(calls):
-        best, best_len = None, -1
-        for j in range(i):
-            p = calls[j]
-            if p.end > best_len and _extends(c.prompt, p):
-                best, best_len = j, p.end
-        parents.append(best)
+        parents.append(next((j for _, j in by_end if _extends(c.prompt, calls[j])), None))
+        bisect.insort(by_end, (-c.end, i))
     return parents
 
 
 def near_misses(calls: list[TreeCall], parents: list[int | None]) -> list[tuple[int, int]]:
     """(call, conversational parent) wherever the conversation continues a call but the tokens do not."""
     out = []
+    ends: dict[str, int] = {}  # conversation end hash -> latest earlier call ending there
     for i, c in enumerate(calls):
-        ends = {calls[j].conv_end: j for j in range(i)}
         conv_parent = next((ends[h] for h in reversed(c.conv_prefixes) if h in ends), None)
         if conv_parent is not None and not _extends(c.prompt, calls[conv_parent]):
             out.append((i, conv_parent))
+        ends[c.conv_end] = i
     return out
 
 

@@ -15,7 +15,7 @@ import os
 import random
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from addons.flowfile import FlowWriter
 
@@ -184,6 +184,7 @@ class FlowFactory:
         reserialise_args: bool = False,
         system: str = SYSTEM,
         task: str = "Find the test files",
+        tool_output: Callable[[int], str] | None = None,
     ) -> list[dict[str, Any]]:
         """An agent loop: `turns` tool calls then a final answer, as the client would send it each turn."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
@@ -210,7 +211,7 @@ class FlowFactory:
             messages.append(echoed)
             if turn < turns:
                 messages.append({"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"],
-                                 "content": f"file_{turn}.py\nfile_{turn}_test.py\n"})
+                                 "content": tool_output(turn) if tool_output else f"file_{turn}.py\nfile_{turn}_test.py\n"})
                 if new_user_turns:
                     messages.append({"role": "user", "content": f"Good, continue with step {turn + 1}."})
         return records
