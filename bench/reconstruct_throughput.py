@@ -81,9 +81,11 @@ def child(kind: str, episodes: int, turns: int) -> None:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         if kind == "raw":
             texts = texts_of(flows)
-            t = time.perf_counter()
-            n = sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
-            seconds = time.perf_counter() - t
+            seconds = float("inf")
+            for _ in range(3):  # best of 3: the baseline at its fastest, so load from other jobs cannot flatter us
+                t = time.perf_counter()
+                n = sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
+                seconds = min(seconds, time.perf_counter() - t)
         else:
             t = time.perf_counter()
             reconstruct([flows], Path(d) / "db.duckdb", Retokenizer(tok), missing_reward="keep")

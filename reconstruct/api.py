@@ -201,8 +201,8 @@ def _ingest_file(
 
 def _buffers(con) -> dict[str, store.Buffer]:
     return {
-        "calls": store.Buffer(con, "calls", CALL_COLUMNS, ignore_conflicts=True),
-        "call_tokens": store.Buffer(con, "call_tokens", TOKEN_COLUMNS, ignore_conflicts=True),
+        "calls": store.Buffer(con, "calls", CALL_COLUMNS, ignore_conflicts=True, key="call_id"),
+        "call_tokens": store.Buffer(con, "call_tokens", TOKEN_COLUMNS, ignore_conflicts=True, key="call_id"),
         "skipped": store.Buffer(con, "skipped", ["file_id", "record_id", "reason", "detail"]),
         "rewards": store.Buffer(con, "rewards", ["episode_id", "reward", "task_id", "source", "metadata"]),
         "images": store.Buffer(con, "images", ["sha256", "mime", "data"], ignore_conflicts=True),

@@ -79,14 +79,24 @@ class Buffer:
     whatever the prompt length), not only by row count.
     """
 
-    def __init__(self, con: Any, table: str, columns: list[str], ignore_conflicts: bool = False) -> None:
+    def __init__(
+        self, con: Any, table: str, columns: list[str], ignore_conflicts: bool = False, key: str | None = None
+    ) -> None:
+        """`key`: the primary key column of an `ignore_conflicts` table. Rows whose key is already stored
+        (or already in the batch) are dropped by an anti-join, which DuckDB runs several times faster
+        than `INSERT OR IGNORE` on wide rows with long lists."""
         self.con, self.table, self.columns = con, table, columns
-        self.ignore = ignore_conflicts
+        self.ignore, self.key = ignore_conflicts, key
         self.rows: dict[str, list[Any]] = {c: [] for c in columns}
+        self.keys: set[Any] = set()
         self.n = 0
         self.cells = 0
 
     def add(self, **row: Any) -> None:
+        if self.key is not None:
+            if row.get(self.key) in self.keys:
+                return
+            self.keys.add(row.get(self.key))
         for c in self.columns:
             v = row.get(c)
             self.rows[c].append(v)
@@ -100,9 +110,16 @@ class Buffer:
         arrays = {c: _column(v, COLUMN_TYPES.get(c)) for c, v in self.rows.items()}
         self.con.register("_openforge_batch", pa.table(arrays))
         cols = ", ".join(self.columns)
-        verb = "INSERT OR IGNORE" if self.ignore else "INSERT"
-        self.con.execute(f"{verb} INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch")
+        if self.ignore and self.key is not None:
+            self.con.execute(
+                f"INSERT INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch "
+                f"WHERE {self.key} NOT IN (SELECT {self.key} FROM {self.table})"
+            )
+        else:
+            verb = "INSERT OR IGNORE" if self.ignore else "INSERT"
+            self.con.execute(f"{verb} INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch")
         self.con.unregister("_openforge_batch")
         n, self.n, self.cells = self.n, 0, 0
+        self.keys = set()
         self.rows = {c: [] for c in self.columns}
         return n

@@ -74,6 +74,26 @@ def test_reconstruct_qwen3_stripped_reasoning_branches_as_template(tmp_path, ret
     assert sorted(owned) == sorted(f.completions) and s.drift == {"template": 2}
 
 
+def test_reconstruct_conversation_stored_once_and_read_back_by_a_later_run(tmp_path, retok):
+    """Messages live once in call_messages (not per call); a later run classifies drift from them."""
+    f = FlowFactory(tmp_path / "flows", seed=2)
+    records = f.tool_loop("ep", turns=3, new_user_turns=True)
+    f.close()
+    run(tmp_path, retok)
+    db = tmp_path / "db.duckdb"
+    n_messages = sum(len(json.loads(r["upstream_request"]["body"])["messages"]) for r in records)
+    [row] = db_rows(db, "SELECT count(*) n, count(messages) m, count(tools) t FROM call_tokens")
+    [stored] = db_rows(db, "SELECT count(*) n FROM call_messages")
+    assert (row["n"], row["m"], row["t"]) == (4, 0, 0)
+    assert stored["n"] < n_messages  # shared prefixes stored once (tools + distinct messages + completions)
+    g = FlowFactory(tmp_path / "flows", seed=9)  # a new file: the reward makes the next run rebuild "ep"
+    g.write(g.reward("ep", 1.0))
+    g.close()
+    s = run(tmp_path, retok)
+    [ep] = db_rows(db, "SELECT * FROM episodes")
+    assert (s.episodes, ep["reward"], ep["drift_template"]) == (1, 1.0, 3)
+
+
 def test_reconstruct_client_rewrite_classified(tmp_path, retok):
     """A client that re-serialises tool-call arguments (Qwen Code) breaks the token prefix: client_rewrite."""
     f = FlowFactory(tmp_path / "flows", seed=3)
