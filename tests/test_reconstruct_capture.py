@@ -11,7 +11,7 @@ import pytest
 
 from reconstruct import reconstruct
 from tests.support.reconstruct_fixtures import qwen_tok, retok  # noqa: F401 - session fixtures
-from tests.support.reconstruct_flows import BASH, db_rows
+from tests.support.reconstruct_flows import BASH, db_rows, trainable_segments
 from tests.support.scripted_engine import ScriptedEngine
 
 
@@ -38,14 +38,6 @@ def test_reconstruct_real_capture_merges_exactly(start_proxy: Any, tmp_path, str
     assert sample["token_source"] == "engine" and sample["n_calls"] == 2
     # the trainable tokens decode to exactly what the engine streamed, each once
     tok = qwen_tok
-    runs, cur = [], []
-    for t, m in zip(sample["input_ids"], sample["loss_mask"]):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    runs += [cur] if cur else []
-    texts = [tok.decode(r) for r in runs]
+    texts = [tok.decode(r) for r in trainable_segments(sample["input_ids"], sample["loss_mask"])]
     assert len(texts) == 2 and json.loads(args)["command"] in texts[0]
     assert texts[1].startswith("".join(c.choices[0].delta.content or "" for c in final if c.choices))

@@ -10,23 +10,15 @@ import pytest
 
 from reconstruct import reconstruct
 from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
-from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows
+from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows, trainable_segments
 
 
 def run(tmp_path: Path, retok, **kw):
     return reconstruct([tmp_path / "flows"], tmp_path / "db.duckdb", retok, missing_reward=kw.pop("missing_reward", "keep"), **kw)
 
 
-def trainable_segments(sample: dict) -> list[list[int]]:
-    """Runs of consecutive trainable ids: one per owned completion."""
-    segs, cur = [], []
-    for i, m in zip(sample["input_ids"], sample["loss_mask"]):
-        if m:
-            cur.append(i)
-        elif cur:
-            segs.append(cur)
-            cur = []
-    return segs + ([cur] if cur else [])
+def segments(sample: dict) -> list[list[int]]:
+    return trainable_segments(sample["input_ids"], sample["loss_mask"])
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -38,7 +30,7 @@ def test_reconstruct_engine_ids_merge_exactly(tmp_path, retok, stream):
     assert (s.calls, s.calls_engine_ids, s.episodes, s.samples) == (4, 4, 1, 1)
     [sample] = db_rows(tmp_path / "db.duckdb", "SELECT * FROM samples")
     assert sample["token_source"] == "engine" and sample["n_calls"] == 4 and sample["weight"] == 1.0
-    assert trainable_segments(sample) == f.completions  # every generated token, once, in order
+    assert segments(sample) == f.completions  # every generated token, once, in order
     lps = sample["behaviour_logprobs"]
     assert len(lps) == len(sample["input_ids"]) == len(sample["loss_mask"])
     assert all(math.isnan(lp) == (m == 0) for lp, m in zip(lps, sample["loss_mask"]))
@@ -70,7 +62,7 @@ def test_reconstruct_qwen3_stripped_reasoning_branches_as_template(tmp_path, ret
     assert (ep["n_calls"], ep["n_samples"], ep["drift_template"]) == (3, 3, 2)
     assert ep["weight"] == pytest.approx(1 / 3)
     samples = db_rows(tmp_path / "db.duckdb", "SELECT * FROM samples ORDER BY sample_id")
-    owned = [seg for s_ in samples for seg in trainable_segments(s_)]
+    owned = [seg for s_ in samples for seg in segments(s_)]
     assert sorted(owned) == sorted(f.completions) and s.drift == {"template": 2}
 
 
@@ -114,7 +106,7 @@ def test_reconstruct_subagent_is_a_branch_and_tokens_count_once(tmp_path, retok)
     assert (ep["n_calls"], ep["n_samples"]) == (4, 2)
     assert ep["drift_template"] + ep["drift_other"] + ep["drift_client_rewrite"] == 0
     samples = db_rows(tmp_path / "db.duckdb", "SELECT * FROM samples")
-    assert sorted(seg for s_ in samples for seg in trainable_segments(s_)) == sorted(f.completions)
+    assert sorted(seg for s_ in samples for seg in segments(s_)) == sorted(f.completions)
 
 
 def test_reconstruct_retry_shares_prefix_but_trains_it_once(tmp_path, retok):
@@ -128,7 +120,7 @@ def test_reconstruct_retry_shares_prefix_but_trains_it_once(tmp_path, retok):
     s = run(tmp_path, retok)
     assert s.samples == 2
     samples = db_rows(tmp_path / "db.duckdb", "SELECT * FROM samples ORDER BY sample_id")
-    segs = [trainable_segments(x) for x in samples]
+    segs = [segments(x) for x in samples]
     assert segs[0] == f.completions[:2] and segs[1] == [f.completions[2]]
     shared = len(f.completions[0])
     assert samples[0]["input_ids"][: samples[1]["n_tokens"] - shared] == samples[1]["input_ids"][: samples[1]["n_tokens"] - shared]

@@ -15,7 +15,7 @@ from reconstruct import reconstruct
 from reconstruct.episodes import ChainHasher, chain_hashes, loose_message, strict_message
 from reconstruct.trajectories import TreeCall, build_tree, chains
 from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
-from tests.support.reconstruct_flows import FlowFactory, db_rows
+from tests.support.reconstruct_flows import FlowFactory, db_rows, trainable_segments
 
 
 @st.composite
@@ -73,15 +73,7 @@ def test_reconstruct_episode_properties(retok, specs, seed):
         for s in samples:
             ids, mask = s["input_ids"], s["loss_mask"]
             assert len(ids) == len(mask) == s["n_tokens"]
-            runs, cur = [], []
-            for t, m in zip(ids, mask):
-                if m:
-                    cur.append(t)
-                elif cur:
-                    runs.append(cur)
-                    cur = []
-            runs += [cur] if cur else []
-            trained += [tuple(r) for r in runs]
+            trained += [tuple(r) for r in trainable_segments(ids, mask)]
             if s["behaviour_logprobs"] is not None:
                 assert [math.isnan(x) for x in s["behaviour_logprobs"]] == [m == 0 for m in mask]
         # decoding what is trainable gives exactly what the engine produced, each completion once

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.reconstruct_flows import qwen_retokenizer
+from tests.support.reconstruct_flows import qwen_retokenizer, trainable_segments
 from tests.support.toolchain_run import MARKER, CliRun, RecordingEngine, run_cli
 from toolchains import run as toolchains
 
@@ -43,17 +43,6 @@ def require_installed(name: str) -> None:
 
 def header(record: dict[str, Any], name: str) -> str | None:
     return next((v for k, v in record["client_request"]["headers"] if k.lower() == name), None)
-
-
-def trainable_segments(input_ids: list[int], mask: list[int]) -> list[list[int]]:
-    segs, cur = [], []
-    for i, m in zip(input_ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            segs.append(cur)
-            cur = []
-    return segs + ([cur] if cur else [])
 
 
 def tool_results(body: dict[str, Any]) -> list[str]:

@@ -235,3 +235,15 @@ def db_rows(db: Path, sql: str) -> list[dict[str, Any]]:
         return [dict(zip(names, r)) for r in cur.fetchall()]
     finally:
         con.close()
+
+
+def trainable_segments(input_ids: list[int], loss_mask: list[int]) -> list[list[int]]:
+    """Runs of consecutive trainable ids in a sample: one per completion it owns."""
+    segs, cur = [], []
+    for i, m in zip(input_ids, loss_mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            segs.append(cur)
+            cur = []
+    return segs + ([cur] if cur else [])
