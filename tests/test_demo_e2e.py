@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(1800)  # minutes on 2 idle cores; much longer when other suites share them
 def test_demo_e2e_short_loop(tmp_path) -> None:
     cfg = DemoConfig(out=tmp_path / "demo", tasks=2, attempts=2, train_steps=1, step_tokens=1024, threads=1,
-                     max_tokens=48, gap_samples=2)
+                     max_tokens=64, gap_samples=2)
     demo = Demo(cfg, Console(file=open(os.devnull, "w"), width=120))
     result = demo.run()
     demo.summary()
