@@ -49,14 +49,20 @@ _TOOLCHAINS = (
 )
 
 
+def protocol_of(path: str) -> str | None:
+    """The LLM protocol a path's suffix names, else None. `path` has no query string."""
+    for suffix, protocol, _ in _ENDPOINTS:
+        if path.endswith(suffix):
+            return protocol
+    return None
+
+
 def classify(method: str, path: str) -> tuple[str, str] | None:
     """(protocol, canonical engine path) for an LLM endpoint, else None. `path` has no query string."""
-    for suffix, protocol, canonical in _ENDPOINTS:
-        if path.endswith(suffix):
-            if (protocol == "models") != (method == "GET"):
-                return None
-            return protocol, canonical
-    return None
+    protocol = protocol_of(path)
+    if protocol is None or (protocol == "models") != (method == "GET"):
+        return None
+    return protocol, CANONICAL[protocol]
 
 
 def strip_prefixes(path: str) -> tuple[str, str | None, str | None]:

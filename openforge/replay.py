@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 from urllib.parse import urlsplit
 
-from addons import profiles
+from addons import profiles, wire
 from addons.flowfile import expand_paths, open_flow_file
 
 Side = Literal["client", "engine"]
@@ -62,20 +62,7 @@ def load_exchanges(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 def protocol_of_path(path: str) -> str:
     """The wire protocol a request path speaks (same names as the flow format's `protocol` field)."""
-    p = urlsplit(path).path.rstrip("/")
-    if p.endswith("/messages/count_tokens"):
-        return "anthropic_count_tokens"
-    if p.endswith("/messages"):
-        return "anthropic"
-    if p.endswith("/chat/completions"):
-        return "chat"
-    if p.endswith("/responses"):
-        return "responses"
-    if p.endswith("/completions"):
-        return "completions"
-    if p.endswith("/models"):
-        return "models"
-    return "other"
+    return wire.protocol_of(urlsplit(path).path.rstrip("/")) or "other"
 
 
 def strip_episode_prefix(path: str) -> str:
