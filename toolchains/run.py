@@ -114,7 +114,10 @@ def invocation(
         settings = home / ".qwen"
         settings.mkdir(exist_ok=True)
         (settings / "settings.json").write_text(
-            json.dumps({"privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False}})
+            json.dumps({"privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
+                        # Its child_process shell path settles on 'exit' before stdout is drained, so under
+                        # load a command's output can come back empty; the PTY path drains it first.
+                        "tools": {"shell": {"enableInteractiveShell": True}}})
         )
         env["PATH"] = f"{NODE24_BIN}:{env.get('PATH', '')}"
         # It re-executes itself once at start (only to add --expose-gc): skip that; cache compiled code.
