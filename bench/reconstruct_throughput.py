@@ -2,8 +2,9 @@
 
 Corpus: realistic agent traces written with the real FlowWriter (Qwen3 tokenizer and template): a
 ~5k-token system prompt shared by every call (Claude Code's is of that order), `--turns` tool calls per
-episode, ~120-token tool outputs. Measured at two corpus sizes so fixed start costs show as such.
-`python bench/reconstruct_throughput.py [--episodes 8] [--turns 20]`
+episode, ~120-token tool outputs. Measured at two corpus sizes, so the fixed cost of a run (opening the
+database, checkpointing it on close) shows apart from the throughput of the work that grows with the corpus.
+`python bench/reconstruct_throughput.py [--episodes 16] [--turns 20]`
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def child(kind: str, episodes: int, turns: int) -> None:
             t = time.perf_counter()
             reconstruct([flows], Path(d) / "db.duckdb", Retokenizer(tok), missing_reward="keep")
             seconds = time.perf_counter() - t
-            n = db_rows(Path(d) / "db.duckdb", "SELECT sum(len(prompt_ids) + len(completion_ids)) n FROM call_tokens")[0]["n"]
+            n = db_rows(Path(d) / "db.duckdb", "SELECT sum(coalesce(prefix_len, 0) + len(prompt_ids) + len(completion_ids)) n FROM call_tokens")[0]["n"]
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"kind": kind, "tokens": n, "seconds": seconds, "rss_mb": peak / 1024, "rss_growth_mb": (peak - base) / 1024}))
 
@@ -103,17 +104,17 @@ def measure(kind: str, episodes: int, turns: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--episodes", type=int, default=8, help="episodes in the smaller corpus; the larger has twice as many")
+    ap.add_argument("--episodes", type=int, default=16, help="episodes in the smaller corpus; the larger has twice as many")
     ap.add_argument("--turns", type=int, default=20, help="tool calls per episode (each episode has turns + 1 calls)")
     ap.add_argument("--child", choices=["raw", "retokenized", "engine"])
     a = ap.parse_args()
     if a.child:
         child(a.child, a.episodes, a.turns)
         return
-    rss = {}
+    rss, runs = {}, {}
     for episodes in (a.episodes, 2 * a.episodes):
         rows = {k: measure(k, episodes, a.turns) for k in ("raw", "retokenized", "engine")}
-        rss[episodes] = rows["engine"]
+        rss[episodes], runs[episodes] = rows["engine"], rows
         raw_tps = rows["raw"]["tokens"] / rows["raw"]["seconds"]
         print(f"corpus: {episodes} episodes x {a.turns + 1} calls; every call's prompt + completion: "
               f"{rows['raw']['tokens']} tokens (raw HF) / {rows['retokenized']['tokens']} (reconstruct)")
@@ -122,6 +123,15 @@ def main() -> None:
         for k in ("retokenized", "engine"):
             tps = rows[k]["tokens"] / rows[k]["seconds"]
             print(f"{'reconstruct, ' + k:28}{tps:12.0f}{rows[k]['seconds']:9.2f}{tps / raw_tps:9.2f}")
+    small, large = runs[a.episodes], runs[2 * a.episodes]
+    print("what the larger corpus added (its tokens over its extra seconds), and the fixed cost it implies:")
+    raw_marginal = (large["raw"]["tokens"] - small["raw"]["tokens"]) / (large["raw"]["seconds"] - small["raw"]["seconds"])
+    for k in ("retokenized", "engine"):
+        dt = large[k]["seconds"] - small[k]["seconds"]
+        marginal = (large[k]["tokens"] - small[k]["tokens"]) / dt
+        fixed = small[k]["seconds"] - small[k]["tokens"] / marginal
+        print(f"  reconstruct, {k:12} {marginal:12.0f} tokens/s ({marginal / raw_marginal:.2f}x raw's {raw_marginal:.0f}), "
+              f"fixed {fixed:.2f} s per run")
     print("peak RSS of the reconstruct process (engine ids), two corpus sizes:")
     for n, r in rss.items():
         print(f"  {n:5d} episodes: {r['rss_mb']:.0f} MB peak, +{r['rss_growth_mb']:.0f} MB during reconstruct")

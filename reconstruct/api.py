@@ -26,6 +26,7 @@ from reconstruct import store
 from reconstruct.drift import classify
 from reconstruct.episodes import ChainHasher, Linker
 from reconstruct.mitm_flows import MitmFile, is_mitm_file
+from reconstruct.prefixes import PrefixSplitter, expand
 from reconstruct.protocols import Call, Skip, parse_record
 from reconstruct.rewards import RESOLVED_REWARDS_SQL, MissingReward, advantage_sql, read_rewards_file
 from reconstruct.tokenize import Retokenizer, load_tokenizer
@@ -33,8 +34,8 @@ from reconstruct.trajectories import DRIFT_CLASSES, TreeCall, build_tree, chains
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 FLUSH_EVERY = 256
-FLUSH_CELLS = 4_000_000  # token ids (+ logprobs) buffered before a flush: ~16 MB as numpy, whatever the prompt length
-EPISODES_PER_READ = 64  # pass 2 holds this many episodes' token ids at once
+FLUSH_CELLS = 1_000_000  # token ids (+ logprobs) buffered before a flush: ~4 MB as numpy, whatever the prompt length
+READ_CELLS = 1_000_000  # pass 2 reads whole episodes until their token ids reach this many (at least one episode)
 
 
 @dataclass
@@ -70,7 +71,7 @@ CALL_COLUMNS = [
 TOKEN_COLUMNS = [
     "call_id", "episode_id", "linked_by", "t_start", "seq", "token_source", "prompt_ids", "completion_ids",
     "completion_logprobs", "conv_hashes", "conv_end", "strict_hashes", "strict_end", "messages", "tools",
-    "completion",
+    "completion", "prefix_call_id", "prefix_len",
 ]
 SAMPLE_COLUMNS = [
     "sample_id", "episode_id", "run_id", "task_id", "tokenizer", "vocab_size", "token_source", "input_ids",
@@ -108,11 +109,12 @@ def reconstruct(
             dict(con.execute("SELECT conv_end, episode_id FROM call_tokens WHERE linked_by = 'conversation'").fetchall())
         )
         hasher = ChainHasher()
+        prefixes = PrefixSplitter()
         touched: set[str] = set()
         total = sum(p.stat().st_size for p in files if p.exists())
         done = 0
         for path in files:
-            _ingest_file(con, path, retok, linker, hasher, run, summary, touched)
+            _ingest_file(con, path, retok, linker, hasher, prefixes, run, summary, touched)
             done += path.stat().st_size if path.exists() else 0
             if progress:
                 progress("read", done, total)
@@ -151,7 +153,8 @@ def _open(path: Path) -> tuple[Any, str | None, str | None]:
 
 
 def _ingest_file(
-    con, path: Path, retok: Retokenizer, linker: Linker, hasher: ChainHasher, run, summary: Summary, touched: set
+    con, path: Path, retok: Retokenizer, linker: Linker, hasher: ChainHasher, prefixes: PrefixSplitter, run,
+    summary: Summary, touched: set,
 ) -> None:
     reader, file_id, error = _open(path)
     if error:
@@ -177,9 +180,10 @@ def _ingest_file(
                 if index <= already:
                     continue
                 summary.records += 1
-                _ingest_record(rec, file_id, retok, linker, hasher, run, bufs, summary, touched)
+                _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary, touched)
                 if bufs["calls"].n >= FLUSH_EVERY or bufs["call_tokens"].cells >= FLUSH_CELLS:
-                    _flush(bufs)
+                    _commit_batch(con, bufs, file_id, path, index, touched)
+                    con.begin()
         except UnsupportedVersion as e:
             reader.error = str(e)
         _flush(bufs)
@@ -216,7 +220,24 @@ def _flush(bufs: dict[str, store.Buffer]) -> None:
         b.flush()
 
 
-def _ingest_record(rec, file_id, retok, linker, hasher, run, bufs, summary: Summary, touched: set) -> None:
+def _commit_batch(con, bufs: dict[str, store.Buffer], file_id: str, path: Path, index: int, touched: set) -> None:
+    """Commit a batch in the middle of a file: a transaction per batch, not per file, keeps memory flat.
+
+    The file is marked read up to `index` records (n_bytes -1: never equal to a size), so a run that dies
+    later resumes after them; the touched episodes lose their `episodes` row, so that run rebuilds them.
+    """
+    _flush(bufs)
+    con.execute(
+        "INSERT OR REPLACE INTO ingested_files VALUES (?, ?, ?, -1, false, ?)",
+        [file_id, str(path), index, datetime.now(timezone.utc)],
+    )
+    con.register("_touched", pa.table({"episode_id": sorted(touched)}))
+    con.execute("DELETE FROM episodes WHERE episode_id IN (SELECT episode_id FROM _touched)")
+    con.unregister("_touched")
+    con.commit()
+
+
+def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary: Summary, touched: set) -> None:
     if rec.get("type") == "reward":
         try:
             reward = float(rec["reward"])
@@ -259,12 +280,14 @@ def _ingest_record(rec, file_id, retok, linker, hasher, run, bufs, summary: Summ
     # numpy from here on: 4 bytes a token in the buffers instead of a Python int object
     prompt_ids, completion_ids = np.asarray(prompt_ids, np.int32), np.asarray(completion_ids, np.int32)
     logprobs = None if logprobs is None else np.asarray(logprobs, np.float32)
+    prefix_id, prefix_len, suffix = prefixes.split(episode, call.call_id, prompt_ids, completion_ids)
     bufs["call_tokens"].add(
         call_id=call.call_id, episode_id=episode, linked_by=linked_by, t_start=rec.get("t_start"),
-        seq=rec.get("seq"), token_source=source, prompt_ids=prompt_ids, completion_ids=completion_ids,
+        seq=rec.get("seq"), token_source=source, prompt_ids=suffix, completion_ids=completion_ids,
         completion_logprobs=logprobs, conv_hashes=conv, conv_end=conv_end, strict_hashes=strict,
         strict_end=strict_end, completion=json.dumps(call.completion),
         messages=None if call.messages is not None else "null",  # NULL: read back from call_messages
+        prefix_call_id=prefix_id, prefix_len=prefix_len if prefix_id else None,
     )
     for h, message in hasher.fresh:  # conversation stored once per message, not once per call
         bufs["call_messages"].add(hash=h, message=message)
@@ -388,21 +411,23 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, summary: Summary,
 # what pass 2 reads per call; the canonical conversation is fetched only for near-continuations
 _TREE_COLUMNS = (
     "call_id, episode_id, token_source, prompt_ids, completion_ids, completion_logprobs, "
-    "conv_hashes, conv_end, strict_hashes, strict_end"
+    "conv_hashes, conv_end, strict_hashes, strict_end, prefix_call_id, prefix_len"
 )
 
 
 def _episode_rows(con) -> Iterable[tuple[str, list[dict[str, Any]]]]:
     """Affected episodes' calls in start order, one episode at a time.
 
-    Read `EPISODES_PER_READ` episodes per query, each result fully fetched before the caller writes anything:
-    DuckDB refuses a new statement on a connection with an open streaming result. Token lists come
-    out as numpy views of the Arrow buffers, never as Python lists.
+    Whole episodes are read per query until their token ids reach `READ_CELLS`, each result fully fetched
+    before the caller writes anything: DuckDB refuses a new statement on a connection with an open streaming
+    result. Token lists come out as numpy views of the Arrow buffers, never as Python lists.
     """
-    ids = [e for (e,) in con.execute("SELECT episode_id FROM affected ORDER BY episode_id").fetchall()]
+    sizes = con.execute("""
+        SELECT episode_id, sum(coalesce(prefix_len, 0) + len(prompt_ids) + len(completion_ids)) FROM call_tokens
+        WHERE episode_id IN (SELECT episode_id FROM affected) GROUP BY episode_id ORDER BY episode_id""").fetchall()
     cols = ", ".join("ct." + c.strip() for c in _TREE_COLUMNS.split(","))
-    for start in range(0, len(ids), EPISODES_PER_READ):
-        con.register("_episode_chunk", pa.table({"episode_id": ids[start : start + EPISODES_PER_READ]}))
+    for chunk in _chunks_by_volume(sizes, READ_CELLS):
+        con.register("_episode_chunk", pa.table({"episode_id": chunk}))
         rel = con.sql(f"""
             SELECT {cols} FROM call_tokens ct JOIN _episode_chunk USING (episode_id)
             ORDER BY ct.episode_id, ct.t_start NULLS LAST, ct.seq, ct.call_id""")
@@ -410,18 +435,34 @@ def _episode_rows(con) -> Iterable[tuple[str, list[dict[str, Any]]]]:
         con.unregister("_episode_chunk")
         lists = {c: _list_views(batch.column(c)) for c in ("prompt_ids", "completion_ids", "completion_logprobs")}
         plain = batch.select(["call_id", "episode_id", "token_source", "conv_hashes", "conv_end", "strict_hashes",
-                              "strict_end"]).to_pylist()
+                              "strict_end", "prefix_call_id", "prefix_len"]).to_pylist()
         current, rows = None, []
         for n, row in enumerate(plain):
             for c, views in lists.items():
                 row[c] = views[n]
             if row["episode_id"] != current and rows:
+                expand(rows)
                 yield current, rows
                 rows = []
             current = row["episode_id"]
             rows.append(row)
         if rows:
+            expand(rows)
             yield current, rows
+
+
+def _chunks_by_volume(sizes: list[tuple[str, int]], limit: int) -> Iterable[list[str]]:
+    """Consecutive runs of episode ids whose sizes add up to at most `limit` (a larger episode goes alone)."""
+    chunk: list[str] = []
+    total = 0
+    for episode_id, n in sizes:
+        if chunk and total + n > limit:
+            yield chunk
+            chunk, total = [], 0
+        chunk.append(episode_id)
+        total += n
+    if chunk:
+        yield chunk
 
 
 def _list_views(col: Any) -> list[np.ndarray | None]:

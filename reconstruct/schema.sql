@@ -1,4 +1,4 @@
--- OpenForge DuckDB schema, version 1.
+-- OpenForge DuckDB schema, version 2.
 -- The contract between reconstruct/ (writer) and trainer/ (reader); documented in docs/schema.md.
 -- Every statement is idempotent so opening an existing database re-applies nothing.
 
@@ -6,7 +6,7 @@ CREATE TABLE IF NOT EXISTS meta (
     key   VARCHAR PRIMARY KEY,
     value VARCHAR NOT NULL
 );
-INSERT INTO meta VALUES ('schema_version', '1') ON CONFLICT DO NOTHING;
+INSERT INTO meta VALUES ('schema_version', '2') ON CONFLICT DO NOTHING;
 
 -- One row per flow file already ingested; re-running reconstruct skips what is here.
 CREATE TABLE IF NOT EXISTS ingested_files (
@@ -114,7 +114,7 @@ CREATE TABLE IF NOT EXISTS call_tokens (
     t_start             DOUBLE,
     seq                 BIGINT,
     token_source        VARCHAR NOT NULL,  -- engine | retokenized | mixed (engine completion, rendered prompt)
-    prompt_ids          INTEGER[] NOT NULL,
+    prompt_ids          INTEGER[] NOT NULL, -- since 2: what follows the prefix below (all of it when no prefix)
     completion_ids      INTEGER[] NOT NULL,
     completion_logprobs FLOAT[],           -- aligned with completion_ids; NULL if the engine gave none
     conv_hashes         VARCHAR[] NOT NULL, -- loose hash of each conversation prefix (tools, then messages)
@@ -123,7 +123,11 @@ CREATE TABLE IF NOT EXISTS call_tokens (
     strict_end          VARCHAR NOT NULL,
     messages            JSON,               -- canonical conversation (chat-template shape); NULL since call_messages
     tools               JSON,               -- NULL since call_messages
-    completion          JSON                -- canonical assistant message the call produced
+    completion          JSON,               -- canonical assistant message the call produced
+    -- Since 2: the prompt starts with the first prefix_len ids of this earlier call's prompt + completion
+    -- (same episode); NULL: prompt_ids is the whole prompt. Keeps an episode O(n) tokens, not O(n^2).
+    prefix_call_id      VARCHAR,
+    prefix_len          INTEGER
 );
 
 -- Added in 1 (compatible): each tools list and conversation message once, keyed by its strict prefix hash

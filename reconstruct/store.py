@@ -9,7 +9,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+# statements that bring a database of the previous version to the next one
+MIGRATIONS = {
+    "1": [
+        "ALTER TABLE call_tokens ADD COLUMN IF NOT EXISTS prefix_call_id VARCHAR",
+        "ALTER TABLE call_tokens ADD COLUMN IF NOT EXISTS prefix_len INTEGER",
+        "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
+    ],
+}
 
 _I32_LIST = pa.list_(pa.int32())
 _U8_LIST = pa.list_(pa.uint8())
@@ -43,12 +51,18 @@ def schema_sql() -> str:
 
 
 def connect(db: str | Path) -> Any:
-    """Open (creating if needed) a database and apply the schema; refuse a newer schema version."""
+    """Open (creating if needed) a database, apply the schema, migrate an older version; refuse a newer one."""
     import duckdb
 
     con = duckdb.connect(str(db))
     con.execute(schema_sql())
     version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    while version in MIGRATIONS:
+        con.begin()
+        for statement in MIGRATIONS[version]:
+            con.execute(statement)
+        con.commit()
+        version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
     if version != SCHEMA_VERSION:
         con.close()
         raise ValueError(f"{db}: schema version {version}, this reconstruct writes {SCHEMA_VERSION}")

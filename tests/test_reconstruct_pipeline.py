@@ -209,7 +209,7 @@ def test_reconstruct_pass2_chunking_changes_nothing(tmp_path, retok, monkeypatch
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "flows").symlink_to(tmp_path / "a" / "flows")
     run(tmp_path / "a", retok)
-    monkeypatch.setattr(api, "EPISODES_PER_READ", 1)
+    monkeypatch.setattr(api, "READ_CELLS", 1)
     monkeypatch.setattr(api, "FLUSH_EVERY", 1)
     run(tmp_path / "b", retok)
     sql = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"

@@ -1,0 +1,124 @@
+"""How reconstruct stores calls: prompts as suffixes of the episode's previous call, a transaction per batch
+(a run that dies mid-file resumes), and databases of schema version 1 migrated in place."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+
+import reconstruct.api as api
+from reconstruct import reconstruct
+from reconstruct.prefixes import PrefixSplitter, expand
+from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
+from tests.support.reconstruct_flows import FlowFactory, db_rows
+
+SAMPLES = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"
+
+
+def corpus(directory: Path, seed: int = 3) -> FlowFactory:
+    """A merging tool loop, a loop whose new user turns branch (Qwen3 drops old reasoning), a retokenized one."""
+    f = FlowFactory(directory, seed=seed)
+    f.tool_loop("loop", turns=4, engine_ids=True, stream=True)
+    f.tool_loop("branchy", turns=3, engine_ids=True, new_user_turns=True)
+    f.tool_loop("retok", turns=2, engine_ids=False)
+    f.close()
+    return f
+
+
+def run(db: Path, flows: Path, retok) -> api.Summary:
+    return reconstruct([flows], db, retok, missing_reward="keep")
+
+
+def no_split(self, episode, call_id, prompt, completion):
+    return None, 0, prompt
+
+
+def test_prompts_stored_as_suffixes_rebuild_the_same_samples(tmp_path, retok, monkeypatch):
+    corpus(tmp_path / "flows")
+    run(tmp_path / "split.duckdb", tmp_path / "flows", retok)
+    stored, full = db_rows(tmp_path / "split.duckdb", """
+        SELECT sum(len(prompt_ids)) AS stored, sum(coalesce(prefix_len, 0) + len(prompt_ids)) AS whole
+        FROM call_tokens""")[0].values()
+    usage = db_rows(tmp_path / "split.duckdb", "SELECT sum(prompt_tokens) n FROM calls")[0]["n"]
+    assert full == usage and stored < full / 3  # every prompt token accounted for, most stored once
+    monkeypatch.setattr(PrefixSplitter, "split", no_split)
+    run(tmp_path / "whole.duckdb", tmp_path / "flows", retok)
+    assert db_rows(tmp_path / "whole.duckdb", "SELECT count(*) n FROM call_tokens WHERE prefix_call_id IS NOT NULL")[0]["n"] == 0
+    a, b = (json.dumps(db_rows(tmp_path / f"{n}.duckdb", SAMPLES), default=str) for n in ("split", "whole"))
+    assert a == b and len(json.loads(a)) >= 4
+
+
+def test_splitter_forgets_old_episodes_and_expand_resolves_any_order():
+    ids = lambda *xs: np.array(xs, np.int32)  # noqa: E731
+    s = PrefixSplitter(max_cells=6)
+    pid, k, rest = s.split("a", "a1", ids(1, 2, 3), ids(4))
+    assert (pid, k, rest.tolist()) == (None, 0, [1, 2, 3])
+    pid, k, rest = s.split("a", "a2", ids(1, 2, 3, 4, 5), ids(6))
+    assert (pid, k, rest.tolist()) == ("a1", 4, [5])  # the prefix runs into a1's completion
+    s.split("b", "b1", ids(7, 8, 9), ids(10))  # 6 + 4 ids > 6: episode a is forgotten
+    pid, k, rest = s.split("a", "a3", ids(1, 2, 3, 4, 5, 6, 11), ids(12))
+    assert (pid, k, rest.tolist()) == (None, 0, [1, 2, 3, 4, 5, 6, 11])
+    rows = [  # stored form, the latest call first: expand must follow prefixes, not row order
+        {"call_id": "c3", "prefix_call_id": "c2", "prefix_len": 3, "prompt_ids": ids(9), "completion_ids": ids(10)},
+        {"call_id": "c2", "prefix_call_id": "c1", "prefix_len": 2, "prompt_ids": ids(7), "completion_ids": ids(8)},
+        {"call_id": "c1", "prefix_call_id": None, "prefix_len": None, "prompt_ids": ids(1, 2), "completion_ids": ids(3)},
+    ]
+    expand(rows)
+    assert [r["prompt_ids"].tolist() for r in rows] == [[1, 2, 7, 9], [1, 2, 7], [1, 2]]
+    with pytest.raises(ValueError, match="not in its episode"):
+        expand([{"call_id": "x", "prefix_call_id": "gone", "prefix_len": 1, "prompt_ids": ids(1), "completion_ids": ids(2)}])
+
+
+def test_run_dying_mid_file_resumes_after_the_last_committed_batch(tmp_path, retok, monkeypatch):
+    corpus(tmp_path / "flows")
+    run(tmp_path / "clean.duckdb", tmp_path / "flows", retok)
+    monkeypatch.setattr(api, "FLUSH_EVERY", 2)
+    real, seen = api._ingest_record, []
+
+    def dies_at_seventh(*args, **kwargs):
+        seen.append(1)
+        if len(seen) == 7:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of a file, after a few committed batches
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_ingest_record", dies_at_seventh)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "resumed.duckdb", tmp_path / "flows", retok)
+    partial = db_rows(tmp_path / "resumed.duckdb", "SELECT n_records, n_bytes FROM ingested_files")
+    assert partial == [{"n_records": 6, "n_bytes": -1}]
+    monkeypatch.setattr(api, "_ingest_record", real)
+    s = run(tmp_path / "resumed.duckdb", tmp_path / "flows", retok)
+    assert s.files_ingested == 1 and s.records == s.calls + s.rewards > 0
+    a, b = (json.dumps(db_rows(tmp_path / f"{n}.duckdb", SAMPLES), default=str) for n in ("clean", "resumed"))
+    assert a == b
+    calls = "SELECT call_id, sample_id FROM calls ORDER BY call_id"
+    assert db_rows(tmp_path / "clean.duckdb", calls) == db_rows(tmp_path / "resumed.duckdb", calls)
+
+
+def test_schema_version_1_database_is_migrated(tmp_path, retok, monkeypatch):
+    """A version-1 database (whole prompts, no prefix columns) takes new calls of its episodes."""
+    f = FlowFactory(tmp_path / "first", seed=5)
+    f.tool_loop("ep", turns=2, engine_ids=True)
+    f.close()
+    g = FlowFactory(tmp_path / "second", seed=6)
+    g.tool_loop("ep", turns=2, engine_ids=True)  # the same episode: old whole prompts and new suffixes meet
+    g.close()
+    old = tmp_path / "old.duckdb"
+    with monkeypatch.context() as m:
+        m.setattr(PrefixSplitter, "split", no_split)
+        run(old, tmp_path / "first", retok)
+    con = duckdb.connect(str(old))
+    con.execute("ALTER TABLE call_tokens DROP COLUMN prefix_call_id")
+    con.execute("ALTER TABLE call_tokens DROP COLUMN prefix_len")
+    con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    con.close()
+    run(old, tmp_path / "second", retok)
+    for flows in ("first", "second"):
+        run(tmp_path / "fresh.duckdb", tmp_path / flows, retok)
+    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": "2"}]
+    a, b = (json.dumps(db_rows(tmp_path / n, SAMPLES), default=str) for n in ("old.duckdb", "fresh.duckdb"))
+    assert a == b and len(json.loads(a)) >= 2
