@@ -128,6 +128,9 @@ def main() -> None:
     raw_marginal = (large["raw"]["tokens"] - small["raw"]["tokens"]) / (large["raw"]["seconds"] - small["raw"]["seconds"])
     for k in ("retokenized", "engine"):
         dt = large[k]["seconds"] - small[k]["seconds"]
+        if dt <= 0 or raw_marginal <= 0:  # noise larger than the work added: nothing to report
+            print(f"  reconstruct, {k:12} n/a (the larger corpus did not take longer)")
+            continue
         marginal = (large[k]["tokens"] - small[k]["tokens"]) / dt
         fixed = small[k]["seconds"] - small[k]["tokens"] / marginal
         print(f"  reconstruct, {k:12} {marginal:12.0f} tokens/s ({marginal / raw_marginal:.2f}x raw's {raw_marginal:.0f}), "
