@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 VENV312 := .venv312
 
-.PHONY: setup setup-312 toolchains demo test test-addon-312 bench
+.PHONY: setup setup-312 setup-litellm toolchains demo test test-addon-312 bench
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml constraints.txt
@@ -25,6 +25,14 @@ $(VENV312)/.setup-done: Makefile
 	$(VENV312)/bin/pip install -q 'mitmproxy>=12' msgpack pytest pytest-timeout httpx 'openai<2' 'anthropic<1'
 	touch $@
 
+# The LiteLLM proxy that bench/proxy_overhead.py compares against, in its own environment. Pinned: the
+# [proxy] extra of newer releases needs a `litellm-proxy` package that this package index lacks.
+setup-litellm: .venv-litellm/.setup-done
+.venv-litellm/.setup-done:
+	$(PY) -m venv .venv-litellm
+	.venv-litellm/bin/pip install -q 'litellm[proxy]==1.90.0'
+	touch $@
+
 demo: setup
 	$(BIN)/openforge demo
 
@@ -35,5 +43,6 @@ test: setup setup-312 toolchains
 test-addon-312:
 	$(VENV312)/bin/python -m pytest -q -m addon -p no:cacheprovider
 
-bench: setup
+bench: setup setup-litellm
 	$(BIN)/python bench/proxy_overhead.py
+	$(BIN)/python bench/reconstruct_throughput.py

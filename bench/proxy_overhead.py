@@ -247,7 +247,8 @@ class Phase:
     latencies: list[float] = field(default_factory=list)  # seconds per request
     ttfb: list[float] = field(default_factory=list)  # seconds from send to first SSE event
     chunk_lat: list[float] = field(default_factory=list)  # seconds from engine send to client arrival
-    chunks: int = 0
+    chunks: int = 0  # events that carried the engine's send time (chunk latency measured)
+    events: int = 0  # all SSE events received (LiteLLM re-encodes events and drops the send time)
     requests: int = 0
     errors: int = 0
     wall: float = 0.0
@@ -277,6 +278,7 @@ async def run_phase(path: Path_, n: int, concurrency: int, stream: bool, out: Ph
                 out.latencies.append(end - sent)
                 if stream and events:
                     out.ttfb.append(events[0][0] - sent)
+                    out.events += len(events)
                     for arrival, event in events:
                         m = ENGINE_T.search(event)
                         if m:
@@ -408,7 +410,7 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
           f"{'chunk99':>8}{'str/s@16':>9}{'cpu/chk':>9}{'errors':>7}")
     for p in paths:
         a, b = phases[(p.name, "s1")], phases[(p.name, "s16")]
-        cpu = (a.cpu + b.cpu) / max(1, a.chunks + b.chunks) * 1000
+        cpu = (a.cpu + b.cpu) / max(1, a.events + b.events) * 1000
         print(f"{p.name:<16}{pct(a.ttfb, .5) * 1e3:>8.2f}{(pct(a.ttfb, .5) - pct(base['s1'].ttfb, .5)) * 1e3:>8.2f}"
               f"{pct(a.chunk_lat, .5) * 1e3:>8.2f}{pct(a.chunk_lat, .99) * 1e3:>8.2f}{pct(b.ttfb, .5) * 1e3:>8.2f}"
               f"{pct(b.chunk_lat, .5) * 1e3:>8.2f}{pct(b.chunk_lat, .99) * 1e3:>8.2f}{b.requests / b.wall:>9.1f}"
@@ -424,10 +426,16 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
         cpu = {n: sum(phases[(n, k)].cpu for k in ("ns1", "ns16")) /
                max(1, sum(phases[(n, k)].requests for k in ("ns1", "ns16"))) for n in (name_bare, name_ours)}
         chunk = {n: sum(phases[(n, k)].cpu for k in ("s1", "s16")) /
-                 max(1, sum(phases[(n, k)].chunks for k in ("s1", "s16"))) for n in (name_bare, name_ours)}
+                 max(1, sum(phases[(n, k)].events for k in ("s1", "s16"))) for n in (name_bare, name_ours)}
         print(f"addon vs bare mitmdump, {what}: throughput x{ratio:.2f} at 16 concurrent, p50 {add1 * 1e3:+.2f} ms "
               f"at 1, proxy CPU {(cpu[name_ours] - cpu[name_bare]) * 1e3:+.2f} ms/request, "
               f"{(chunk[name_ours] - chunk[name_bare]) * 1e3:+.3f} ms/chunk")
+    if ("litellm", "ns16") in phases:
+        rate = {n: {k: phases[(n, k)].requests / phases[(n, k)].wall for k in ("ns1", "ns16", "s16")}
+                for n in ("mitmdump+addon", "litellm")}
+        ours, theirs = rate["mitmdump+addon"], rate["litellm"]
+        print(f"addon (as deployed) vs LiteLLM: throughput x{ours['ns16'] / theirs['ns16']:.1f} at 16 concurrent, "
+              f"x{ours['ns1'] / theirs['ns1']:.1f} at 1, SSE streams/s x{ours['s16'] / theirs['s16']:.1f} at 16")
     print("\nengine fields seen (ids = token_ids, lp = logprobs; plain = client asked for neither, "
           "asked = client sent return_token_ids+logprobs; record = what the flow file holds for them)")
     keys = ["plain", "plain (SSE)", "asked", "asked (SSE)", "record"]

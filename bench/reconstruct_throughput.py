@@ -74,9 +74,10 @@ def child(kind: str, episodes: int, turns: int) -> None:
     from tests.support.reconstruct_flows import db_rows, qwen_tokenizer
 
     tok = qwen_tokenizer()
-    import duckdb  # noqa: F401 - library imports are start-up, not throughput (like loading the tokenizer)
-
     with tempfile.TemporaryDirectory() as d:
+        if kind != "raw":  # imports duckdb and pyarrow make on first use are start-up, like loading the tokenizer
+            make_corpus(Path(d) / "warm", 1, 1, engine_ids=True)
+            reconstruct([Path(d) / "warm"], Path(d) / "warm.duckdb", Retokenizer(tok), missing_reward="keep")
         flows = Path(d) / "flows"
         make_corpus(flows, episodes, turns, engine_ids=(kind == "engine"))
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

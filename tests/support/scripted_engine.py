@@ -30,6 +30,7 @@ import hashlib
 import itertools
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -213,6 +214,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 512  # 64+ clients connect at once; the default backlog of 5 stalls them
     engine: ScriptedEngine
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up (a proxy closing its pool) is routine, not a traceback on stderr."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
