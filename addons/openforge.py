@@ -38,6 +38,7 @@ from addons.exchange import Exchange, body_has_token_ids, request_map, stream_ha
 logger = logging.getLogger("openforge")
 META = "openforge"
 UPSTREAM_OK_TTL = 2.0  # seconds a successful upstream answer vouches for reachability (skips the probe)
+_KEY_HEADERS = (b"authorization", b"x-api-key")  # where our upstream key sits once the request went upstream
 
 
 class OpenForge:
@@ -529,8 +530,6 @@ class OpenForge:
         except OSError:  # stdout gone (closed pipe): the flow file still has the call
             self._call_lines = False
 
-
-_KEY_HEADERS = (b"authorization", b"x-api-key")
 
 
 def _set_body(message: http.Message, data: bytes) -> None:
