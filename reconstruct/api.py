@@ -191,10 +191,7 @@ def _ingest_file(
                 detail = reader.error if reason == "corrupt_file" else "last record cut short (kill -9 mid-write)"
                 con.execute("INSERT INTO skipped VALUES (?, NULL, ?, ?)", [file_id, reason, f"{path}: {detail}"])
                 summary.skipped[reason] += 1
-        con.execute(
-            "INSERT OR REPLACE INTO ingested_files VALUES (?, ?, ?, ?, ?, ?)",
-            [file_id, str(path), reader.n_records, size, bool(reader.torn_tail), datetime.now(timezone.utc)],
-        )
+        _mark_read(con, file_id, path, reader.n_records, size, bool(reader.torn_tail))
         con.commit()
     except BaseException:
         con.rollback()
@@ -226,14 +223,19 @@ def _commit_batch(con, bufs: dict[str, store.Buffer], file_id: str, path: Path, 
     later resumes after them; the touched episodes lose their `episodes` row, so that run rebuilds them.
     """
     _flush(bufs)
-    con.execute(
-        "INSERT OR REPLACE INTO ingested_files VALUES (?, ?, ?, -1, false, ?)",
-        [file_id, str(path), index, datetime.now(timezone.utc)],
-    )
-    con.register("_touched", pa.table({"episode_id": sorted(touched)}))
+    _mark_read(con, file_id, path, index, -1, False)
+    con.register("_touched", pa.table({"episode_id": list(touched)}))
     con.execute("DELETE FROM episodes WHERE episode_id IN (SELECT episode_id FROM _touched)")
     con.unregister("_touched")
     con.commit()
+
+
+def _mark_read(con, file_id: str, path: Path, n_records: int, n_bytes: int, torn_tail: bool) -> None:
+    """Record how far a file was read (n_bytes -1: part of it, the next run goes on after n_records)."""
+    con.execute(
+        "INSERT OR REPLACE INTO ingested_files VALUES (?, ?, ?, ?, ?, ?)",
+        [file_id, str(path), n_records, n_bytes, torn_tail, datetime.now(timezone.utc)],
+    )
 
 
 def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary: Summary, touched: set) -> None:
