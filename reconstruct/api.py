@@ -26,8 +26,8 @@ from reconstruct import store
 from reconstruct.drift import classify
 from reconstruct.episodes import ChainHasher, Linker
 from reconstruct.mitm_flows import MitmFile, is_mitm_file
-from reconstruct.prefixes import PrefixSplitter, expand
-from reconstruct.protocols import Call, Skip, parse_record
+from reconstruct.prefixes import PrefixSplitter, expand, int32
+from reconstruct.protocols import Call, RawIds, Skip, parse_record
 from reconstruct.rewards import RESOLVED_REWARDS_SQL, MissingReward, advantage_sql, read_rewards_file
 from reconstruct.tokenize import Retokenizer, load_tokenizer
 from reconstruct.trajectories import DRIFT_CLASSES, TreeCall, build_tree, chains, near_misses
@@ -265,10 +265,22 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         return
     messages = call.messages if call.messages is not None else [{"role": "prompt", "content": call.prompt_text or ""}]
     conv, conv_end, strict, strict_end = hasher.hashes(messages, call.tools, call.completion)
+    for h, message in hasher.fresh:  # conversation stored once per message, not once per call
+        bufs["call_messages"].add(hash=h, message=message)
+    hasher.fresh.clear()
     if rec.get("episode"):
         episode, linked_by = str(rec["episode"]), "recorded"
     else:
         episode, linked_by = linker.assign(call.call_id, conv, conv_end), "conversation"
+    logprobs = call.engine_logprobs if call.engine_completion_ids is not None else None
+    try:  # numpy from here on: 4 bytes a token in the buffers instead of a Python int object
+        completion_ids = int32(completion_ids)
+        prefix_id, prefix_len, suffix = prefixes.split(episode, call.call_id, prompt_ids, completion_ids)
+    except ValueError as e:
+        bufs["skipped"].add(file_id=file_id, record_id=rec.get("id"), reason="bad_token_ids", detail=str(e)[:300])
+        summary.skipped["bad_token_ids"] += 1
+        return
+    logprobs = None if logprobs is None else np.asarray(logprobs, np.float32)
     touched.add(episode)
     bufs["calls"].add(
         call_id=call.call_id, file_id=file_id, episode_id=episode, run_id=run, role=rec.get("role"),
@@ -277,11 +289,6 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         t_end=rec.get("t_end"), prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
         finish_reason=call.finish_reason, token_source=source,
     )
-    logprobs = call.engine_logprobs if call.engine_completion_ids is not None else None
-    # numpy from here on: 4 bytes a token in the buffers instead of a Python int object
-    prompt_ids, completion_ids = _ints(prompt_ids), _ints(completion_ids)
-    logprobs = None if logprobs is None else np.asarray(logprobs, np.float32)
-    prefix_id, prefix_len, suffix = prefixes.split(episode, call.call_id, prompt_ids, completion_ids)
     bufs["call_tokens"].add(
         call_id=call.call_id, episode_id=episode, linked_by=linked_by, t_start=rec.get("t_start"),
         seq=rec.get("seq"), token_source=source, prompt_ids=suffix, completion_ids=completion_ids,
@@ -290,9 +297,6 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         messages=None if call.messages is not None else "null",  # NULL: read back from call_messages
         prefix_call_id=prefix_id, prefix_len=prefix_len if prefix_id else None,
     )
-    for h, message in hasher.fresh:  # conversation stored once per message, not once per call
-        bufs["call_messages"].add(hash=h, message=message)
-    hasher.fresh.clear()
     for img in call.images:
         bufs["images"].add(sha256=img.sha256, mime=img.mime, data=img.data)
         bufs["call_images"].add(call_id=call.call_id, sha256=img.sha256)
@@ -305,12 +309,7 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         summary.calls_retokenized += 1
 
 
-def _ints(ids: list[int] | np.ndarray) -> np.ndarray:
-    """Token ids as int32 (`fromiter` with a known count: the fastest way from a Python list)."""
-    return ids.astype(np.int32, copy=False) if isinstance(ids, np.ndarray) else np.fromiter(ids, np.int32, len(ids))
-
-
-def _token_ids(call: Call, retok: Retokenizer) -> tuple[list[int], list[int], str]:
+def _token_ids(call: Call, retok: Retokenizer) -> tuple[list[int] | RawIds, list[int], str]:
     """The engine's ids where it gave them, else the chat template's; `mixed` when only the completion's."""
     if call.engine_prompt_ids is not None and call.engine_completion_ids is not None:
         return call.engine_prompt_ids, call.engine_completion_ids, "engine"

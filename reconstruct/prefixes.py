@@ -9,9 +9,11 @@ earlier call's prompt + completion (`prefix_call_id`, same episode) followed by 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+
+from reconstruct.protocols import RawIds
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -19,6 +21,13 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if len(diff) else n
+
+
+class _Last(NamedTuple):
+    call_id: str
+    full: np.ndarray  # prompt + completion ids
+    n_prompt: int
+    raw: RawIds | None  # the prompt as the engine's JSON text, when it came that way
 
 
 class PrefixSplitter:
@@ -29,24 +38,53 @@ class PrefixSplitter:
 
     def __init__(self, max_cells: int = 4_000_000) -> None:
         self.max_cells = max_cells
-        self._last: OrderedDict[str, tuple[str, np.ndarray]] = OrderedDict()
+        self._last: OrderedDict[str, _Last] = OrderedDict()
         self._cells = 0
 
-    def split(self, episode: str, call_id: str, prompt: np.ndarray, completion: np.ndarray) -> tuple[str | None, int, np.ndarray]:
-        """(prefix call id or None, prefix length, suffix to store) for this call's prompt."""
+    def split(self, episode: str, call_id: str, prompt: list[int] | np.ndarray | RawIds,
+              completion: np.ndarray) -> tuple[str | None, int, np.ndarray]:
+        """(prefix call id or None, prefix length, suffix to store) for this call's prompt.
+
+        A `RawIds` prompt that starts with the previous call's prompt text is parsed only after it.
+        Raises ValueError for ids that are not integers.
+        """
         base = self._last.pop(episode, None)
+        if base is not None:
+            self._cells -= _cells(base)
+        tail = prompt.tail_after(base.raw) if isinstance(prompt, RawIds) and base and base.raw else None
+        if tail is not None:
+            ids = np.concatenate([base.full[:base.n_prompt], int32(tail)])  # type: ignore[union-attr]
+        else:
+            ids = int32(prompt.parse() if isinstance(prompt, RawIds) else prompt)
         prefix_id, k = None, 0
         if base is not None:
-            self._cells -= len(base[1])
-            k = common_prefix(prompt, base[1])
-            prefix_id = base[0] if k else None
-        full = np.concatenate([prompt, completion])
-        self._last[episode] = (call_id, full)
-        self._cells += len(full)
+            k = common_prefix(ids, base.full)
+            prefix_id = base.call_id if k else None
+        last = _Last(call_id, np.concatenate([ids, completion]), len(ids), prompt if isinstance(prompt, RawIds) else None)
+        self._last[episode] = last
+        self._cells += _cells(last)
         while self._cells > self.max_cells and len(self._last) > 1:
-            _, (_, old) = self._last.popitem(last=False)
-            self._cells -= len(old)
-        return prefix_id, k, prompt[k:]
+            _, old = self._last.popitem(last=False)
+            self._cells -= _cells(old)
+        return prefix_id, k, ids[k:]
+
+
+def _cells(last: _Last) -> int:
+    """Memory held for an episode, in int32-sized cells."""
+    return len(last.full) + (len(last.raw.text) // 4 if last.raw is not None else 0)
+
+
+def int32(ids: list[int] | np.ndarray) -> np.ndarray:
+    """Token ids as int32 (`fromiter` with a known count: the fastest way from a Python list).
+
+    Raises ValueError for anything but integers in int32 range.
+    """
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int32, copy=False)
+    try:
+        return np.fromiter(ids, np.int32, len(ids))
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"token ids must be integers: {e}") from None
 
 
 def expand(rows: list[dict[str, Any]]) -> None:

@@ -55,10 +55,81 @@ class Call:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    engine_prompt_ids: list[int] | None = None
+    engine_prompt_ids: list[int] | RawIds | None = None
     engine_completion_ids: list[int] | None = None
     engine_logprobs: list[float] | None = None
     images: list[Image] = field(default_factory=list)
+
+
+class RawIds:
+    """The engine's prompt ids still as the text of their JSON array.
+
+    Every call of an agent loop resends the whole conversation, so its prompt ids repeat the previous
+    call's and only the last turn is new. Parsing ~8k ids per call to Python ints was most of what a
+    reconstruct with engine ids cost; kept as text, `reconstruct.prefixes` compares it with the episode's
+    previous call byte for byte and parses only the ids after it (`tail_after`).
+    """
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text  # b"[1, 2, 3]": checked to hold no nested array, object or string
+
+    def parse(self) -> list[int]:
+        return _loads(self.text)
+
+    def tail_after(self, earlier: RawIds) -> list[int] | None:
+        """The ids after all of `earlier`'s when this array starts with them (the same text); else None."""
+        head = earlier.text[:-1].rstrip()  # b"[1, 2, 3": a whole number ends it, so the next byte decides
+        if len(head) < 2 or not self.text.startswith(head):
+            return None
+        rest = self.text[len(head):].lstrip()
+        if rest.startswith(b","):
+            return _loads(b"[" + rest[1:])
+        return [] if rest.startswith(b"]") else None
+
+
+_PROMPT_IDS_KEY = '"prompt_token_ids"'
+_PROMPT_IDS_KEY_B = _PROMPT_IDS_KEY.encode()
+
+
+def _loads_answer(data: bytes | str) -> Any:
+    """`_loads` of an engine answer or SSE event, its one `prompt_token_ids` array left as `RawIds`.
+
+    The array is cut out as text before parsing (a key's quotes are never escaped, a string's inner
+    quotes always are, so the key's bytes cannot occur inside a string) and put back where it was.
+    Anything unusual (two such keys, a nested value, a key in an unexpected place) is parsed normally.
+    """
+    is_str = isinstance(data, str)
+    key = _PROMPT_IDS_KEY if is_str else _PROMPT_IDS_KEY_B
+    i = data.find(key)  # type: ignore[arg-type]
+    if i < 0 or data.find(key, i + 1) >= 0:  # type: ignore[arg-type]
+        return _loads(data)
+    j = i + len(key)
+    n = len(data)
+    while j < n and data[j] in (" \t\r\n:" if is_str else b" \t\r\n:"):
+        j += 1
+    end = data.find("]" if is_str else b"]", j)  # type: ignore[arg-type]
+    inner = data[j + 1:end]
+    if (j >= n or data[j] != ("[" if is_str else 91) or end < 0 or not inner.strip()
+            or any(c in inner for c in ("[{\"" if is_str else (b"[", b"{", b'"')))):
+        return _loads(data)
+    text = data[j:end + 1]
+    obj = _loads(data[:j] + ("[]" if is_str else b"[]") + data[end + 1:])  # type: ignore[operator]
+    raw = RawIds(text.encode() if is_str else text)  # type: ignore[union-attr]
+    if isinstance(obj, dict):
+        choices = obj.get("choices")
+        for holder in [obj, *(choices if isinstance(choices, list) else ())]:
+            if isinstance(holder, dict) and holder.get("prompt_token_ids") == []:
+                holder["prompt_token_ids"] = raw
+                return obj
+    return _loads(data)
+
+
+def _ids(ids: Any) -> list[int] | RawIds | None:
+    if not ids:
+        return None
+    return ids if isinstance(ids, RawIds) else list(ids)
 
 
 # ---------------------------------------------------------------- record -> Call
@@ -114,9 +185,9 @@ def _loads(data: Any) -> Any:
     return json.loads(data)
 
 
-def _json_body(body: Any, what: str) -> Any:
+def _json_body(body: Any, what: str, loads=_loads) -> Any:
     try:
-        return _loads(body or b"")
+        return loads(body or b"")
     except (ValueError, TypeError) as e:
         raise Skip("non_json_body", f"{what} body is not JSON: {e}") from None
 
@@ -141,7 +212,7 @@ def _sse_json(raw: bytes) -> Iterator[tuple[str | None, dict[str, Any]]]:
         if data.strip() == "[DONE]":
             continue
         try:
-            obj = _loads(data)
+            obj = _loads_answer(data)
         except ValueError:
             raise Skip("non_json_body", f"SSE event is not JSON: {data[:200]}") from None
         if name == "error" or (
@@ -286,7 +357,7 @@ def _parse_chat(rec, request, raw, streamed, images) -> Call:
         ]
         message = assistant_message("".join(text), "".join(reasoning) or None, tool_calls)
     else:
-        body = _json_body(raw, "response")
+        body = _json_body(raw, "response", _loads_answer)
         if not isinstance(body, dict) or not body.get("choices"):
             raise Skip("no_choices", f"response has no choices: {raw[:200]!r}")
         choice = body["choices"][0]
@@ -314,7 +385,7 @@ def _parse_chat(rec, request, raw, streamed, images) -> Call:
         finish_reason=finish,
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
-        engine_prompt_ids=list(prompt_ids) if prompt_ids else None,
+        engine_prompt_ids=_ids(prompt_ids),
         engine_completion_ids=list(comp_ids) if comp_ids else None,
         engine_logprobs=logprobs if comp_ids and len(logprobs) == len(comp_ids) else None,
     )
@@ -331,7 +402,7 @@ def _parse_completions(rec, request, raw, streamed, images) -> Call:
     if prompt_ids is None and not isinstance(prompt, str):
         raise Skip("unsupported_request", "completions prompt is neither text nor token ids")
     text, comp_ids, logprobs, finish, usage = [], [], [], None, {}
-    bodies = [c for _, c in _sse_json(raw)] if streamed else [_json_body(raw, "response")]
+    bodies = [c for _, c in _sse_json(raw)] if streamed else [_json_body(raw, "response", _loads_answer)]
     saw_choice = False
     for body in bodies:
         if not isinstance(body, dict):
@@ -361,7 +432,7 @@ def _parse_completions(rec, request, raw, streamed, images) -> Call:
         finish_reason=finish,
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
-        engine_prompt_ids=list(prompt_ids) if prompt_ids else None,
+        engine_prompt_ids=_ids(prompt_ids),
         engine_completion_ids=comp_ids or None,
         engine_logprobs=logprobs if comp_ids and len(logprobs) == len(comp_ids) else None,
     )

@@ -1,5 +1,6 @@
-"""How reconstruct stores calls: prompts as suffixes of the episode's previous call, a transaction per batch
-(a run that dies mid-file resumes), and databases of schema version 1 migrated in place."""
+"""How reconstruct stores calls: prompts as suffixes of the episode's previous call (engine prompt ids
+parsed only past it), a transaction per batch (a run that dies mid-file resumes), and databases of schema
+version 1 migrated in place."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 
 import reconstruct.api as api
-from reconstruct import reconstruct
-from reconstruct.prefixes import PrefixSplitter, expand
+from reconstruct import protocols, reconstruct
+from reconstruct.prefixes import PrefixSplitter, expand, int32
+from reconstruct.protocols import RawIds
 from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import FlowFactory, db_rows
 
@@ -34,7 +36,7 @@ def run(db: Path, flows: Path, retok) -> api.Summary:
 
 
 def no_split(self, episode, call_id, prompt, completion):
-    return None, 0, prompt
+    return None, 0, int32(prompt.parse() if isinstance(prompt, RawIds) else prompt)
 
 
 def test_prompts_stored_as_suffixes_rebuild_the_same_samples(tmp_path, retok, monkeypatch):
@@ -50,6 +52,85 @@ def test_prompts_stored_as_suffixes_rebuild_the_same_samples(tmp_path, retok, mo
     assert db_rows(tmp_path / "whole.duckdb", "SELECT count(*) n FROM call_tokens WHERE prefix_call_id IS NOT NULL")[0]["n"] == 0
     a, b = (json.dumps(db_rows(tmp_path / f"{n}.duckdb", SAMPLES), default=str) for n in ("split", "whole"))
     assert a == b and len(json.loads(a)) >= 4
+
+
+def test_prompt_ids_parsed_only_past_the_previous_call_give_the_same_samples(tmp_path, retok, monkeypatch):
+    corpus(tmp_path / "flows")
+    tails = []
+    tail_after = RawIds.tail_after
+    monkeypatch.setattr(RawIds, "tail_after", lambda self, earlier: tails.append(tail_after(self, earlier)) or tails[-1])
+    run(tmp_path / "text.duckdb", tmp_path / "flows", retok)
+    assert sum(t is not None for t in tails) >= 4  # streamed and not: the shortcut was taken
+    monkeypatch.setattr(protocols, "_loads_answer", protocols._loads)  # every id parsed, as before
+    run(tmp_path / "parsed.duckdb", tmp_path / "flows", retok)
+    for sql in (SAMPLES, "SELECT * EXCLUDE (t_start) FROM call_tokens ORDER BY call_id"):
+        a, b = (json.dumps(db_rows(tmp_path / f"{n}.duckdb", sql), default=str) for n in ("text", "parsed"))
+        assert a == b
+
+
+def _plain(obj):
+    """`_loads_answer`'s result with every RawIds parsed: must equal what json.loads gives."""
+    if isinstance(obj, RawIds):
+        return obj.parse()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return [_plain(v) for v in obj] if isinstance(obj, list) else obj
+
+
+@pytest.mark.parametrize("body, kept", [
+    (b'{"choices": [{"index": 0}], "prompt_token_ids": [1, 2, 3]}', True),
+    (b'{"choices": [{"index": 0, "prompt_token_ids":[4,5]}]}', True),
+    ('{"choices": [], "prompt_token_ids" : [\n6 ,7]}', True),  # SSE data arrives as text
+    (b'{"content": "say \\"prompt_token_ids\\": [1]", "prompt_token_ids": [7]}', True),
+    (b'{"prompt_token_ids": [1], "choices": [{"prompt_token_ids": [1]}]}', False),  # two: parsed normally
+    (b'{"prompt_token_ids": [[1, 2], [3]]}', False),
+    (b'{"prompt_token_ids": []}', False),
+    (b'{"prompt_token_ids": null, "choices": []}', False),
+    (b'{"sglext": {"prompt_token_ids": [1, 2]}}', False),  # not where ids are read: parsed normally
+])
+def test_loads_answer_keeps_one_prompt_id_array_as_text(body, kept):
+    obj = protocols._loads_answer(body)
+    holders = [obj, *obj.get("choices", [])]
+    assert any(isinstance(h.get("prompt_token_ids"), RawIds) for h in holders) == kept
+    assert _plain(obj) == json.loads(body)
+
+
+def test_loads_answer_still_rejects_bad_json():
+    for bad in (b'{"prompt_token_ids": [1, 2], "x": }', b'{"prompt_token_ids": [1, 2]'):
+        with pytest.raises(ValueError):
+            protocols._loads_answer(bad)
+
+
+@pytest.mark.parametrize("earlier, text, tail", [
+    (b"[1, 2, 3]", b"[1, 2, 3, 4, 5]", [4, 5]),
+    (b"[1, 2, 3]", b"[1, 2, 3]", []),
+    (b"[1, 2, 3]", b"[1, 2, 34, 5]", None),  # same bytes, different id: the next byte decides
+    (b"[1,2,3]", b"[1,2,3,9]", [9]),
+    (b"[1,2,3]", b"[1, 2, 3, 9]", None),  # formatted differently: parsed in full instead
+    (b"[1, 2, 3]", b"[1, 2]", None),
+])
+def test_raw_ids_tail_after(earlier, text, tail):
+    assert RawIds(text).tail_after(RawIds(earlier)) == tail
+
+
+def test_splitter_gives_the_same_split_for_text_and_parsed_ids():
+    import random
+
+    rng = random.Random(0)  # 30% of prompts rewrite the history (a branch): the text shortcut must refuse
+    as_text, as_ids = PrefixSplitter(), PrefixSplitter()
+    history = {e: [] for e in "abc"}
+    for n in range(300):
+        e = rng.choice("abc")
+        keep = history[e][: rng.randint(0, len(history[e]))] if rng.random() < 0.3 else history[e]
+        prompt = keep + [rng.randrange(1000) for _ in range(rng.randint(0, 5))]
+        completion = np.array([rng.randrange(1000) for _ in range(rng.randint(1, 4))], np.int32)
+        history[e] = prompt + completion.tolist()
+        sep = rng.choice([", ", ","])
+        got = as_text.split(e, str(n), RawIds(("[" + sep.join(map(str, prompt)) + "]").encode()), completion)
+        want = as_ids.split(e, str(n), prompt, completion)
+        assert (got[0], got[1], got[2].tolist()) == (want[0], want[1], want[2].tolist())
+    with pytest.raises(ValueError):
+        as_text.split("a", "bad", RawIds(b'[1, 2, 3.5e99]'), np.array([1], np.int32))
 
 
 def test_splitter_forgets_old_episodes_and_expand_resolves_any_order():
