@@ -61,26 +61,30 @@ class ChainHasher:
     Every call of an agent loop resends the whole conversation, so hashing it from scratch costs
     O(turns^2) JSON encodings per episode; with the memo each message is encoded once, and later
     calls only pay a tuple hash per message. Values are exactly `chain_hashes`'s (they are stored and
-    compared across runs). The memo is cleared when full, so memory stays bounded.
+    compared across runs). The memo is cleared when full (entries, or the text its keys hold: tool outputs
+    can be large), so memory stays bounded.
 
     `fresh` collects (strict prefix hash, JSON) for every tools list and message met for the first time
     (a memo miss): stored once in `call_messages`, they give back any call's conversation from its
     strict hashes, so no call stores its whole conversation (O(turns^2) bytes per episode).
     """
 
-    def __init__(self, max_entries: int = 16384) -> None:
+    def __init__(self, max_entries: int = 16384, max_chars: int = 32_000_000) -> None:
         self._memo: dict[tuple, tuple[str, str]] = {}
         self._tools: dict[str, str] = {}
         self._max = max_entries
+        self._max_chars = max_chars
+        self._chars = 0  # text held by the memo's keys
         self.fresh: list[tuple[str, str]] = []
 
     def hashes(
         self, messages: list[dict[str, Any]], tools: Any, completion: dict[str, Any]
     ) -> tuple[list[str], str, list[str], str]:
         """(loose prefixes, loose end, strict prefixes, strict end), as two `chain_hashes` calls give."""
-        if len(self._memo) > self._max:
+        if len(self._memo) > self._max or self._chars > self._max_chars:
             self._memo.clear()
             self._tools.clear()
+            self._chars = 0
         tools_json = stable_json(tools or [])
         root = self._tools.get(tools_json)
         if root is None:
@@ -100,7 +104,9 @@ class ChainHasher:
         out = self._memo.get(k)
         if out is None:
             out = self._memo[k] = (_h(loose, loose_message(m)), _h(strict, strict_message(m)))
-            self.fresh.append((out[1], json.dumps(m)))
+            message = json.dumps(m)
+            self._chars += len(message)  # about the text the key holds
+            self.fresh.append((out[1], message))
         return out
 
 

@@ -96,7 +96,7 @@ message = st.fixed_dictionaries(
             max_size=2),
     },
 )
-_HASHER = ChainHasher()  # shared across examples, so later examples hit memo entries of earlier ones
+_HASHER = ChainHasher(max_chars=2_000)  # shared across examples (memo hits), and cleared every few when full
 
 
 @settings(max_examples=50, deadline=None)
