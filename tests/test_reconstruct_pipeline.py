@@ -154,6 +154,8 @@ def test_reconstruct_bad_input_goes_to_skipped(tmp_path, retok):
     f.write(variant(body=b'{"object": "chat.completion", "choices": []}'))
     f.write(variant(protocol="models"))
     f.write(variant(complete=False))
+    f.write(variant(body=b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, '
+                         b'"finish_reason": "stop", "token_ids": [7, 2]}], "prompt_token_ids": [1, "x", 3]}'))
     stream = f.chat([{"role": "user", "content": "hi"}], {"content": "cut", "reasoning_content": "r"}, stream=True, episode="y")
     stream["response"]["chunks"] = stream["response"]["chunks"][:2]  # no finish_reason ever arrived
     f.write(stream)
@@ -165,7 +167,7 @@ def test_reconstruct_bad_input_goes_to_skipped(tmp_path, retok):
     reasons = {r["reason"]: r["n"] for r in db_rows(tmp_path / "db.duckdb", "SELECT reason, count(*) n FROM skipped GROUP BY 1")}
     assert reasons == {
         "non_json_body": 2, "engine_error": 1, "no_choices": 1, "not_llm_call": 1, "incomplete": 1,
-        "truncated_stream": 1, "torn_record": 1, "unreadable_file": 1,
+        "truncated_stream": 1, "torn_record": 1, "unreadable_file": 1, "bad_token_ids": 1,
     }
     assert s.skipped == reasons and s.samples == 1
     assert run(tmp_path, retok).skipped == {"unreadable_file": 1}
