@@ -417,15 +417,22 @@ class OpenForge:
 
     @staticmethod
     def _strip_body(resp: http.Response, ex: Exchange) -> bool:
-        """Remove injected fields from a JSON answer (parsed once, for both jobs); whether it has token ids."""
+        """Remove injected fields from a JSON answer (parsed once, for both jobs); whether it has token ids.
+
+        Prompt ids we asked for are dropped unparsed: an agent's prompt has tens of thousands.
+        """
         body = resp.content
         marks = profiles.markers(ex.injected) if resp.status_code == 200 else ()
         if not body or not any(m in body for m in marks):  # nothing of ours in it: leave the bytes alone
             return body_has_token_ids(body)
-        obj = _json_object(body)
-        if obj is None:
+        try:
+            obj, cut = (profiles.loads_without_prompt_ids(body) if "return_token_ids" in ex.injected
+                        else (json.loads(body), False))
+        except ValueError:
             return False
-        has_ids = profiles.has_token_ids(obj)
+        if not isinstance(obj, dict):
+            return False
+        has_ids = cut or profiles.has_token_ids(obj)
         if profiles.strip(obj, ex.injected):
             _set_body(resp, profiles.encode_json(obj).encode())
         return has_ids

@@ -12,8 +12,10 @@ with rounds interleaved (path A, B, C, A, B, C, ...) so drift in machine load hi
 
 Measured per path: non-streamed requests/s and latency (p50/p99, and added over direct) at 1 and 16
 concurrent clients; SSE time to first event and per-chunk latency (client arrival minus the engine's send
-time stamped into each event); proxy CPU time per request and per chunk; proxy RSS. Then which engine
-fields (token ids, logprobs) reach the client and the flow record through each path.
+time stamped into each event); proxy CPU time per request and per chunk; latency and CPU for an
+agent-sized request (a ~28 KB conversation, whose answer carries ~28k prompt ids when they are asked
+for); proxy RSS. Then which engine fields (token ids, logprobs) reach the client and the flow record
+through each path.
 
 The engine is tests/support/scripted_engine.py in its own process; the load generator is a minimal asyncio
 HTTP/1.1 client with keep-alive connections (cheaper than httpx, so it disturbs the measurement less).
@@ -48,6 +50,17 @@ MITMDUMP = Path(sys.executable).with_name("mitmdump")
 ADDON = ROOT / "addons" / "openforge.py"
 MODEL = "scripted-model"
 MESSAGES = [{"role": "user", "content": "Please list the files in the current working directory now"}]
+# An agent-sized request: a ~32 KB conversation (system prompt, tool turns; a few non-ASCII characters, as
+# real ones have). The scripted engine's tokenizer gives one id per byte, so its answer carries ~32k prompt
+# ids when asked for them: the size of a real agent prompt's.
+LONG_MESSAGES = [
+    {"role": "system", "content": "You are a coding agent \u2014 careful, terse. " + " ".join(
+        f"Rule {i}: read the file before you edit it, run the tests after." for i in range(300))},
+    *[m for i in range(6) for m in (
+        {"role": "user" if i == 0 else "tool", "content": f"Step {i} caf\u00e9 output:\n" + f"src/module_{i}.py:1: ok\n" * 60},
+        {"role": "assistant", "content": f"Looking at step {i} next."})],
+    {"role": "user", "content": "Please list the files in the current working directory now"},
+]
 ENGINE_T = re.compile(rb'"engine_t": ?([0-9.]+)')  # the addon re-encodes events it strips: no space
 ASK_IDS = {"return_token_ids": True, "logprobs": True}  # the engine fields the addon injects (vLLM profile)
 PAYLOAD_BARE, PAYLOAD_OURS = "mitmdump, ids", "addon, ids"  # the client asks for ASK_IDS itself
@@ -255,8 +268,9 @@ class Phase:
     cpu: float = 0.0
 
 
-async def run_phase(path: Path_, n: int, concurrency: int, stream: bool, out: Phase) -> None:
-    body = json.dumps({"model": MODEL, "messages": MESSAGES, "stream": stream, **path.extra_body}).encode()
+async def run_phase(path: Path_, n: int, concurrency: int, stream: bool, out: Phase,
+                    messages: list[dict] = MESSAGES) -> None:
+    body = json.dumps({"model": MODEL, "messages": messages, "stream": stream, **path.extra_body}).encode()
     todo = iter(range(n))
 
     async def worker() -> None:
@@ -353,7 +367,7 @@ def main() -> None:
         return serve_engine(args.chunk_delay)
 
     counts = {k: max(4, int(v * args.scale)) for k, v in
-              {"ns1": 50, "ns16": 128, "s1": 8, "s16": 32}.items()}
+              {"ns1": 50, "ns16": 128, "s1": 8, "s16": 32, "long1": 16}.items()}
     tmp = Path(tempfile.mkdtemp(prefix="openforge-bench-"))
     engine_proc = subprocess.Popen([sys.executable, __file__, "--serve-engine", "--chunk-delay", str(args.chunk_delay)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -377,7 +391,8 @@ def main() -> None:
             for kind, n in counts.items():
                 for p in paths[r % len(paths):] + paths[: r % len(paths)]:
                     conc = 16 if kind.endswith("16") else 1
-                    asyncio.run(run_phase(p, n, conc, kind.startswith("s"), phases[(p.name, kind)]))
+                    asyncio.run(run_phase(p, n, conc, kind.startswith("s"), phases[(p.name, kind)],
+                                          LONG_MESSAGES if kind == "long1" else MESSAGES))
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         own = [p for p in paths if not p.extra_body]  # the payload rows reuse the bare and addon processes
         rss = {p.name: rss_mb(p.proc.pid) if p.proc else float("nan") for p in own}
@@ -415,6 +430,15 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
               f"{pct(a.chunk_lat, .5) * 1e3:>8.2f}{pct(a.chunk_lat, .99) * 1e3:>8.2f}{pct(b.ttfb, .5) * 1e3:>8.2f}"
               f"{pct(b.chunk_lat, .5) * 1e3:>8.2f}{pct(b.chunk_lat, .99) * 1e3:>8.2f}{b.requests / b.wall:>9.1f}"
               f"{cpu:>9.3f}{a.errors + b.errors:>7}")
+    long_kb = len(json.dumps(LONG_MESSAGES)) / 1024
+    print(f"\nagent-sized request ({long_kb:.0f} KB conversation; as deployed the engine also returns its "
+          f"~{long_kb:.0f}k prompt ids), non-streamed, 1 client: latency p50 (ms), added over direct, proxy CPU ms/request")
+    print(f"{'path':<16}{'p50':>8}{'+p50':>8}{'cpu/req':>9}{'errors':>7}")
+    for p in paths:
+        a = phases[(p.name, "long1")]
+        print(f"{p.name:<16}{pct(a.latencies, .5) * 1e3:>8.2f}"
+              f"{(pct(a.latencies, .5) - pct(phases[('direct', 'long1')].latencies, .5)) * 1e3:>8.2f}"
+              f"{a.cpu / max(1, a.requests) * 1000:>9.2f}{a.errors:>7}")
     print("\nproxy RSS after the run (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items() if v == v))
     for name_bare, name_ours, what in (("mitmdump", "mitmdump+addon", "as deployed (addon injects ids+logprobs)"),
                                        (PAYLOAD_BARE, PAYLOAD_OURS, "same payload (client asks for ids+logprobs)")):
@@ -427,9 +451,13 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
                max(1, sum(phases[(n, k)].requests for k in ("ns1", "ns16"))) for n in (name_bare, name_ours)}
         chunk = {n: sum(phases[(n, k)].cpu for k in ("s1", "s16")) /
                  max(1, sum(phases[(n, k)].events for k in ("s1", "s16"))) for n in (name_bare, name_ours)}
+        long = {n: phases[(n, "long1")] for n in (name_bare, name_ours)}
+        long_p50 = pct(long[name_ours].latencies, .5) - pct(long[name_bare].latencies, .5)
+        long_cpu = {n: ph.cpu / max(1, ph.requests) for n, ph in long.items()}
         print(f"addon vs bare mitmdump, {what}: throughput x{ratio:.2f} at 16 concurrent, p50 {add1 * 1e3:+.2f} ms "
               f"at 1, proxy CPU {(cpu[name_ours] - cpu[name_bare]) * 1e3:+.2f} ms/request, "
-              f"{(chunk[name_ours] - chunk[name_bare]) * 1e3:+.3f} ms/chunk")
+              f"{(chunk[name_ours] - chunk[name_bare]) * 1e3:+.3f} ms/chunk; agent-sized request: p50 "
+              f"{long_p50 * 1e3:+.2f} ms, proxy CPU {(long_cpu[name_ours] - long_cpu[name_bare]) * 1e3:+.2f} ms/request")
     if ("litellm", "ns16") in phases:
         rate = {n: {k: phases[(n, k)].requests / phases[(n, k)].wall for k in ("ns1", "ns16", "s16")}
                 for n in ("mitmdump+addon", "litellm")}

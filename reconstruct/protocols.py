@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from addons.profiles import prompt_ids_span
+
 try:
     import orjson
 except ImportError:  # optional speed-up; the stdlib parses the same documents
@@ -89,39 +91,25 @@ class RawIds:
         return [] if rest.startswith(b"]") else None
 
 
-_PROMPT_IDS_KEY = '"prompt_token_ids"'
-_PROMPT_IDS_KEY_B = _PROMPT_IDS_KEY.encode()
-
-
 def _loads_answer(data: bytes | str) -> Any:
     """`_loads` of an engine answer or SSE event, its one `prompt_token_ids` array left as `RawIds`.
 
-    The array is cut out as text before parsing (a key's quotes are never escaped, a string's inner
-    quotes always are, so the key's bytes cannot occur inside a string) and put back where it was.
-    Anything unusual (two such keys, a nested value, a key in an unexpected place) is parsed normally.
+    The array is found without parsing (`addons.profiles.prompt_ids_span`), read as `[]`, and put back
+    as text where it was; an answer with it anywhere else is parsed normally.
     """
-    is_str = isinstance(data, str)
-    key = _PROMPT_IDS_KEY if is_str else _PROMPT_IDS_KEY_B
-    i = data.find(key)  # type: ignore[arg-type]
-    if i < 0 or data.find(key, i + 1) >= 0:  # type: ignore[arg-type]
+    if isinstance(data, str):  # SSE events arrive decoded
+        if '"prompt_token_ids"' not in data:
+            return _loads(data)
+        data = data.encode()
+    span = prompt_ids_span(data)
+    if span is None:
         return _loads(data)
-    j = i + len(key)
-    n = len(data)
-    while j < n and data[j] in (" \t\r\n:" if is_str else b" \t\r\n:"):
-        j += 1
-    end = data.find("]" if is_str else b"]", j)  # type: ignore[arg-type]
-    inner = data[j + 1:end]
-    if (j >= n or data[j] != ("[" if is_str else 91) or end < 0 or not inner.strip()
-            or any(c in inner for c in ("[{\"" if is_str else (b"[", b"{", b'"')))):
-        return _loads(data)
-    text = data[j:end + 1]
-    obj = _loads(data[:j] + ("[]" if is_str else b"[]") + data[end + 1:])  # type: ignore[operator]
-    raw = RawIds(text.encode() if is_str else text)  # type: ignore[union-attr]
+    obj = _loads(data[:span[0]] + b"[]" + data[span[1]:])
     if isinstance(obj, dict):
         choices = obj.get("choices")
         for holder in [obj, *(choices if isinstance(choices, list) else ())]:
             if isinstance(holder, dict) and holder.get("prompt_token_ids") == []:
-                holder["prompt_token_ids"] = raw
+                holder["prompt_token_ids"] = RawIds(data[span[0]:span[1]])
                 return obj
     return _loads(data)
 

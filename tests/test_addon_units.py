@@ -82,6 +82,30 @@ def test_inject_per_profile() -> None:
     assert profiles.inject("vllm", "anthropic", {}) == []
 
 
+@pytest.mark.parametrize("body, found", [
+    (b'{"choices": [], "prompt_token_ids": [1, 2, 3]}', b"[1, 2, 3]"),
+    (b'{"prompt_token_ids" :\n[4,5], "x": "say \\"prompt_token_ids\\": [9]"}', b"[4,5]"),  # escaped: a string
+    (b'{"prompt_token_ids": [1], "choices": [{"prompt_token_ids": [1]}]}', None),  # twice: not cut
+    (b'{"prompt_token_ids": [[1], [2]]}', None),
+    (b'{"prompt_token_ids": []}', None),
+    (b'{"prompt_token_ids": null}', None),
+    (b'{"content": "prompt_token_ids"}', None),
+])
+def test_prompt_ids_are_cut_unparsed_only_when_unambiguous(body: bytes, found: bytes | None) -> None:
+    span = profiles.prompt_ids_span(body)
+    assert (body[span[0]:span[1]] if span else None) == found
+    expected = json.loads(body)
+    if found:
+        expected["prompt_token_ids"] = []
+    assert profiles.loads_without_prompt_ids(body) == (expected, found is not None)
+
+
+def test_encode_json_is_ascii_and_keeps_lone_surrogates() -> None:
+    obj = json.loads(b'{"content": "caf\\u00e9 \\ud800 \xe2\x80\x94"}')  # a client may send a lone surrogate
+    out = profiles.encode_json(obj).encode()  # an ensure_ascii=False encoder fails here (UnicodeEncodeError)
+    assert out.isascii() and json.loads(out) == obj
+
+
 @pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
 def test_sse_stripper_any_split_gives_the_same_bytes(sep: bytes) -> None:
     events = [
