@@ -156,9 +156,9 @@ class Path_:
                 self.proc.wait()
 
 
-def start_mitmdump(engine: str, tmp: Path, addon: Path | None) -> Path_:
+def start_mitmdump(engine: str, tmp: Path, addon: Path | None, name: str | None = None) -> Path_:
     port = free_port()
-    name = "mitmdump+addon" if addon else "mitmdump"
+    name = name or ("mitmdump+addon" if addon else "mitmdump")
     tmp.mkdir(parents=True, exist_ok=True)
     args = [str(MITMDUMP), "--listen-host", "127.0.0.1", "-p", str(port), "--mode", f"reverse:{engine}",
             "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", f"confdir={tmp / 'mitmconf'}"]
@@ -361,6 +361,9 @@ def main() -> None:
     ap.add_argument("--litellm", help="path of a `litellm` executable (default: $LITELLM_BIN, .venv-litellm, PATH)")
     ap.add_argument("--addon", type=Path, default=ADDON,
                     help="addon script to measure (default addons/openforge.py; e.g. a copy of an older version)")
+    ap.add_argument("--baseline-addon", type=Path,
+                    help="another copy of the addon measured in the same run, as the row 'addon baseline' "
+                         "(e.g. `git archive OLD addons | tar -x -C /tmp/old`, then /tmp/old/addons/openforge.py)")
     ap.add_argument("--serve-engine", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_engine:
@@ -377,6 +380,8 @@ def main() -> None:
         bare, ours = start_mitmdump(engine, tmp / "bare", None), start_mitmdump(engine, tmp / "addon", args.addon)
         paths += [bare, ours, Path_(PAYLOAD_BARE, bare.url, bare.proc, extra_body=ASK_IDS),
                   Path_(PAYLOAD_OURS, ours.url, ours.proc, ours.flow_dir, extra_body=ASK_IDS)]
+        if args.baseline_addon:
+            paths.append(start_mitmdump(engine, tmp / "baseline", args.baseline_addon, "addon baseline"))
         litellm = find_litellm(args.litellm)
         if litellm:
             paths.append(start_litellm(litellm, engine, tmp))
@@ -458,6 +463,14 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
               f"at 1, proxy CPU {(cpu[name_ours] - cpu[name_bare]) * 1e3:+.2f} ms/request, "
               f"{(chunk[name_ours] - chunk[name_bare]) * 1e3:+.3f} ms/chunk; agent-sized request: p50 "
               f"{long_p50 * 1e3:+.2f} ms, proxy CPU {(long_cpu[name_ours] - long_cpu[name_bare]) * 1e3:+.2f} ms/request")
+    if ("addon baseline", "ns16") in phases:
+        def per(name: str, kinds: tuple[str, ...], unit: str) -> float:
+            return sum(phases[(name, k)].cpu for k in kinds) / max(1, sum(getattr(phases[(name, k)], unit) for k in kinds))
+        print("addon vs addon baseline (as deployed), proxy CPU: "
+              + ", ".join(f"{what} {per('addon baseline', kinds, 'requests') * 1e3:.2f} -> "
+                          f"{per('mitmdump+addon', kinds, 'requests') * 1e3:.2f} ms"
+                          for what, kinds in (("per request", ("ns1", "ns16")), ("per SSE stream", ("s1", "s16")),
+                                              ("per agent-sized request", ("long1",)))))
     if ("litellm", "ns16") in phases:
         rate = {n: {k: phases[(n, k)].requests / phases[(n, k)].wall for k in ("ns1", "ns16", "s16")}
                 for n in ("mitmdump+addon", "litellm")}
