@@ -134,8 +134,8 @@ def markers(injected: list[str]) -> tuple[bytes, ...]:
 
 
 # One encoder for every re-encoded body or event: json.dumps with non-default arguments builds a new one per call.
-# ASCII output (non-ASCII as \u escapes, the same JSON): the C encoder's fast path, ~3x faster than
-# ensure_ascii=False on text with any non-ASCII character, and a lone surrogate still encodes.
+# ASCII output (non-ASCII as \u escapes, the same JSON): the C encoder's fast path, which ensure_ascii=False
+# leaves on any non-ASCII character; and a client's lone surrogate still encodes.
 encode_json = json.JSONEncoder(separators=(",", ":")).encode
 
 

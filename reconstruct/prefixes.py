@@ -77,7 +77,7 @@ def _cells(last: _Last) -> int:
 def int32(ids: list[int] | np.ndarray) -> np.ndarray:
     """Token ids as int32 (`fromiter` with a known count: the fastest way from a Python list).
 
-    Raises ValueError for anything but integers in int32 range.
+    Raises ValueError for what does not convert (a string, null, a number beyond int32).
     """
     if isinstance(ids, np.ndarray):
         return ids.astype(np.int32, copy=False)
