@@ -50,8 +50,8 @@ MITMDUMP = Path(sys.executable).with_name("mitmdump")
 ADDON = ROOT / "addons" / "openforge.py"
 MODEL = "scripted-model"
 MESSAGES = [{"role": "user", "content": "Please list the files in the current working directory now"}]
-# An agent-sized request: a ~32 KB conversation (system prompt, tool turns; a few non-ASCII characters, as
-# real ones have). The scripted engine's tokenizer gives one id per byte, so its answer carries ~32k prompt
+# An agent-sized request: a ~28 KB conversation (system prompt, tool turns; a few non-ASCII characters, as
+# real ones have). The scripted engine's tokenizer gives one id per byte, so its answer carries ~28k prompt
 # ids when asked for them: the size of a real agent prompt's.
 LONG_MESSAGES = [
     {"role": "system", "content": "You are a coding agent \u2014 careful, terse. " + " ".join(
@@ -464,11 +464,11 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
               f"{(chunk[name_ours] - chunk[name_bare]) * 1e3:+.3f} ms/chunk; agent-sized request: p50 "
               f"{long_p50 * 1e3:+.2f} ms, proxy CPU {(long_cpu[name_ours] - long_cpu[name_bare]) * 1e3:+.2f} ms/request")
     if ("addon baseline", "ns16") in phases:
-        def per(name: str, kinds: tuple[str, ...], unit: str) -> float:
-            return sum(phases[(name, k)].cpu for k in kinds) / max(1, sum(getattr(phases[(name, k)], unit) for k in kinds))
+        def per(name: str, kinds: tuple[str, ...]) -> float:
+            return sum(phases[(name, k)].cpu for k in kinds) / max(1, sum(phases[(name, k)].requests for k in kinds))
         print("addon vs addon baseline (as deployed), proxy CPU: "
-              + ", ".join(f"{what} {per('addon baseline', kinds, 'requests') * 1e3:.2f} -> "
-                          f"{per('mitmdump+addon', kinds, 'requests') * 1e3:.2f} ms"
+              + ", ".join(f"{what} {per('addon baseline', kinds) * 1e3:.2f} -> "
+                          f"{per('mitmdump+addon', kinds) * 1e3:.2f} ms"
                           for what, kinds in (("per request", ("ns1", "ns16")), ("per SSE stream", ("s1", "s16")),
                                               ("per agent-sized request", ("long1",)))))
     if ("litellm", "ns16") in phases:
