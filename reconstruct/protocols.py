@@ -363,8 +363,11 @@ def _parse_chat(rec, request, raw, streamed, images) -> Call:
         logprobs, lp_ids = _logprob_values(choice.get("logprobs"))
     prompt_ids = prompt_ids or sgl.get("input_ids")
     comp_ids = comp_ids or sgl.get("output_ids") or []
-    if not comp_ids and lp_ids and all(i is not None for i in lp_ids):
-        comp_ids = lp_ids  # llama.cpp: ids only inside logprobs
+    if (not comp_ids and lp_ids and all(i is not None for i in lp_ids)
+            and usage.get("completion_tokens") in (None, len(lp_ids))):
+        # llama.cpp: ids only inside logprobs; it merges the entries of tokens that end mid-character
+        # (an emoji split over two tokens gets one entry), and then they are not the completion's ids
+        comp_ids = lp_ids
     return Call(
         **_base(rec, "chat", streamed),
         messages=_chat_messages(request, images),

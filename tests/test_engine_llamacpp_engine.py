@@ -37,7 +37,9 @@ def test_engine_llamacpp_logprobs_carry_token_ids(engine: EmbeddedEngine) -> Non
             "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
     answer = httpx.post(f"{engine.url}/v1/chat/completions", json=body, timeout=120).json()
     content = answer["choices"][0]["logprobs"]["content"]
-    assert len(content) == answer["usage"]["completion_tokens"] > 0
+    # one entry per token, except that llama.cpp merges tokens ending mid-character (sampled emoji):
+    # reconstruct then retokenises instead of trusting these ids (protocols._parse_chat)
+    assert 0 < len(content) <= answer["usage"]["completion_tokens"]
     for entry in content:
         assert isinstance(entry["id"], int) and 0 <= entry["id"] < 49152
         assert entry["logprob"] <= 0.0

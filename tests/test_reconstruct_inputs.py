@@ -141,3 +141,18 @@ def test_reconstruct_cli_and_stats(tmp_path):
                               "--missing-reward", "zero"])
     assert bad.exit_code != 0 and "fill:<number>" in bad.output
     assert runner.invoke(app, ["stats", "--db", str(tmp_path / "none.duckdb")]).exit_code == 2
+
+
+def test_llamacpp_logprob_ids_trusted_only_when_one_per_token():
+    """llama.cpp merges the logprobs entries of tokens that end mid-character: then they are not the ids."""
+    from reconstruct.protocols import _parse_chat
+
+    def answer(n_tokens: int) -> bytes:
+        lp = [{"id": 5, "token": "a", "logprob": -0.1}, {"id": 249, "token": "🌟", "logprob": -0.2}]
+        return json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "a🌟"},
+                                        "finish_reason": "stop", "logprobs": {"content": lp}}],
+                           "usage": {"prompt_tokens": 4, "completion_tokens": n_tokens}}).encode()
+
+    request = {"messages": [{"role": "user", "content": "hi"}]}
+    assert _parse_chat({"id": "x"}, request, answer(2), False, []).engine_completion_ids == [5, 249]
+    assert _parse_chat({"id": "x"}, request, answer(3), False, []).engine_completion_ids is None
