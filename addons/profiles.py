@@ -118,13 +118,20 @@ def prompt_ids_span(data: bytes) -> tuple[int, int] | None:
     return j, end + 1
 
 
-def loads_without_prompt_ids(data: bytes) -> tuple[Any, bool]:
-    """`json.loads` of an answer with its prompt id array (see `prompt_ids_span`) read as `[]`, and
-    whether one was there: parses what is left, for an answer whose prompt ids will be dropped."""
+def cut_prompt_ids(data: bytes) -> tuple[bytes, bytes | None]:
+    """(the answer with its prompt id array read as `[]`, the array's text), or (data, None) when
+    `prompt_ids_span` finds none."""
     span = prompt_ids_span(data)
     if span is None:
-        return json.loads(data), False
-    return json.loads(data[:span[0]] + b"[]" + data[span[1]:]), True
+        return data, None
+    return data[:span[0]] + b"[]" + data[span[1]:], data[span[0]:span[1]]
+
+
+def loads_without_prompt_ids(data: bytes) -> tuple[Any, bool]:
+    """`json.loads` of an answer with its prompt id array read as `[]`, and whether one was there:
+    parses what is left, for an answer whose prompt ids will be dropped."""
+    rest, ids = cut_prompt_ids(data)
+    return json.loads(rest), ids is not None
 
 
 def markers(injected: list[str]) -> tuple[bytes, ...]:

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from addons.profiles import prompt_ids_span
+from addons.profiles import cut_prompt_ids
 
 try:
     import orjson
@@ -94,22 +94,22 @@ class RawIds:
 def _loads_answer(data: bytes | str) -> Any:
     """`_loads` of an engine answer or SSE event, its one `prompt_token_ids` array left as `RawIds`.
 
-    The array is found without parsing (`addons.profiles.prompt_ids_span`), read as `[]`, and put back
-    as text where it was; an answer with it anywhere else is parsed normally.
+    The array is cut out without parsing (`addons.profiles.cut_prompt_ids`, as the proxy drops it),
+    read as `[]`, and put back as text where it was; an answer with it anywhere else is parsed normally.
     """
     if isinstance(data, str):  # SSE events arrive decoded
         if '"prompt_token_ids"' not in data:
             return _loads(data)
         data = data.encode()
-    span = prompt_ids_span(data)
-    if span is None:
+    rest, ids = cut_prompt_ids(data)
+    if ids is None:
         return _loads(data)
-    obj = _loads(data[:span[0]] + b"[]" + data[span[1]:])
+    obj = _loads(rest)
     if isinstance(obj, dict):
         choices = obj.get("choices")
         for holder in [obj, *(choices if isinstance(choices, list) else ())]:
             if isinstance(holder, dict) and holder.get("prompt_token_ids") == []:
-                holder["prompt_token_ids"] = RawIds(data[span[0]:span[1]])
+                holder["prompt_token_ids"] = RawIds(ids)
                 return obj
     return _loads(data)
 
