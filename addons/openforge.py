@@ -24,16 +24,17 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import secrets  # noqa: E402
 import time  # noqa: E402
-import uuid  # noqa: E402
 import weakref  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 from urllib.parse import unquote  # noqa: E402
 
 from mitmproxy import ctx, exceptions, http  # noqa: E402
 from mitmproxy.proxy.mode_specs import ReverseMode  # noqa: E402
 
 from addons import flowfile, options, profiles, translate, wire  # noqa: E402
-from addons.exchange import Exchange, body_has_token_ids, request_map, stream_has_token_ids  # noqa: E402
+from addons.exchange import (  # noqa: E402
+    Exchange, RequestParts, ResponseParts, body_has_token_ids, stream_has_token_ids,
+)
 
 logger = logging.getLogger("openforge")
 META = "openforge"
@@ -48,7 +49,10 @@ class OpenForge:
         self.instance = secrets.token_hex(4)
         self.started = time.time()
         self._seq = itertools.count(1)
+        self._id_prefix = secrets.token_hex(12)  # record ids: this + the sequence number (uuid4 costs a syscall)
         self._inflight: dict[str, http.HTTPFlow] = {}  # exchange id -> flow
+        self._after: list[Callable[[], None]] = []  # records to write once their answers have gone out
+        self._records = 0
         self._profile: str | None = None
         self._detecting: asyncio.Future[str | None] | None = None
         self._upstream_ok_at = float("-inf")
@@ -117,11 +121,12 @@ class OpenForge:
             self._start_detection(self.settings)
 
     def done(self) -> None:
-        """Shutdown: write the exchanges still in flight as incomplete, then close the file."""
+        """Shutdown: write the answered exchanges, then those still in flight as incomplete; close the file."""
+        self._run_after()
         for flow in list(self._inflight.values()):
             ex: Exchange = flow.metadata[META]
             ex.error = ex.error or "proxy shut down while the exchange was in flight"
-            self._write(ex, self._response_map(flow, None, ex) if flow.response else None, complete=False)
+            self._write(ex, self._response_parts(flow, None, ex) if flow.response else None, complete=False)
         if self.writer is not None:
             self.writer.close()
             self.writer = None  # late error hooks of those flows must not open a new file
@@ -172,14 +177,12 @@ class OpenForge:
         ex.t_first_byte = flow.response.timestamp_start or time.time()
         if ex.protocol == "other":  # passed through as the client sent it (credentials swapped if direct)
             req = flow.request
-            ex.upstream_request = request_map(req.method, req.url, req.headers, req.raw_content)
+            ex.upstream_request = RequestParts(req.method, req.url, req.headers.fields, req.raw_content)
         s = self.settings
         if s is not None and (flow.request.host, flow.request.port) == (s.upstream_host, s.upstream_port):
             self._upstream_ok_at = time.monotonic()
         self._hide_key(flow)
-        if ex.protocol == "other" or not flow.response.headers.get("content-type", "").startswith(
-            "text/event-stream"
-        ):
+        if ex.protocol == "other" or not wire.is_event_stream(flow.response.headers.fields):
             return
         ex.streamed = True
         if ex.translated is not None and flow.response.status_code == 200:
@@ -200,7 +203,7 @@ class OpenForge:
         except Exception as e:  # noqa: BLE001 - still write what we have
             logger.exception("OpenForge: cannot finish the exchange record")
             ex.error = ex.error or f"proxy error while finishing: {type(e).__name__}: {e}"
-            self._write(ex, self._response_map(flow, None, ex), complete=False)
+            self._write(ex, self._response_parts(flow, None, ex), complete=False)
 
     def error(self, flow: http.HTTPFlow) -> None:
         ex: Exchange | None = flow.metadata.pop(META, None)
@@ -208,7 +211,7 @@ class OpenForge:
             return
         self._hide_key(flow)
         ex.error = ex.error or (flow.error.msg if flow.error else "unknown error")
-        response = self._response_map(flow, None, ex) if flow.response is not None else None
+        response = self._response_parts(flow, None, ex) if flow.response is not None else None
         self._write(ex, response, complete=False)
         self._log(flow, ex, "ERR")
 
@@ -219,6 +222,9 @@ class OpenForge:
         path, _, query = req.path.partition("?")
         if path.startswith(wire.REWARD_PREFIX):
             self._reward(flow, path)
+            return None
+        if path == wire.STATUS_PATH:
+            self._status(flow, s)
             return None
         direct = self._is_direct(flow)
         vendor = not direct and req.pretty_host.lower() in s.vendor_hosts
@@ -233,7 +239,7 @@ class OpenForge:
                     403, b'{"error": "blocked by OpenForge (openforge_block_other)"}',
                     {"content-type": "application/json"})
                 if ex is not None:
-                    self._write(ex, self._response_map(flow, raw=flow.response.raw_content), complete=True)
+                    self._write(ex, self._response_parts(flow, raw=flow.response.raw_content), complete=True)
                 return None
             if direct:  # the engine's other endpoints (/health, /tokenize, ...): reverse-proxied
                 self._to_upstream(flow, s, s.upstream_prefix + path + (f"?{query}" if query else ""))
@@ -247,15 +253,19 @@ class OpenForge:
         ex.episode, ex.episode_source = self._episode(flow, episode, headers)
         ex.toolchain = wire.toolchain(headers.get("user-agent"))
         self._track(flow, ex)
-        self._to_upstream(flow, s, s.upstream_prefix + canonical + (f"?{query}" if query else ""))
+        self._to_upstream(flow, s, s.upstream_prefix + canonical + (f"?{query}" if query else ""), llm=True)
         return ex
 
     def _new(self, flow: http.HTTPFlow, protocol: str, path: str) -> Exchange:
         req = flow.request
-        ex = Exchange(next(self._seq), self.instance, req.timestamp_start, protocol, path)
+        seq = next(self._seq)
+        ex = Exchange(self._record_id(seq), seq, self.instance, req.timestamp_start, protocol, path)
         ex.role = self.settings.default_role if self.settings else ""
-        ex.client_request = request_map(req.method, req.pretty_url, req.headers, req.raw_content)
+        ex.client_request = RequestParts(req.method, req.pretty_url, req.headers.fields, req.raw_content)
         return ex
+
+    def _record_id(self, seq: int) -> str:
+        return f"{self._id_prefix}{seq:08x}"
 
     def _track(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         flow.metadata[META] = ex
@@ -284,21 +294,40 @@ class OpenForge:
                 return value, "session_header"
         return None, None
 
-    def _to_upstream(self, flow: http.HTTPFlow, s: options.Settings, path: str) -> None:
+    def _to_upstream(self, flow: http.HTTPFlow, s: options.Settings, path: str, llm: bool = False) -> None:
+        """Point the request at the engine. The headers are rewritten in one pass over mitmproxy's raw
+        fields (its `Headers` scan every field per lookup or assignment): the client's credentials dropped,
+        Host set, our key added, and for LLM calls `accept-encoding: identity` (we read their answers)."""
         req = flow.request
-        # One pass over the raw fields instead of a scan per dropped name (mitmproxy's Headers are a list).
-        fields = tuple(f for f in req.headers.fields if f[0].lower() not in wire.DROP_UPSTREAM_BYTES)
+        req.scheme = s.upstream_scheme
+        if (req.host, req.port) != (s.upstream_host, s.upstream_port):  # in reverse mode mitmproxy did it
+            req.host, req.port = s.upstream_host, s.upstream_port
+        authority = f"{s.upstream_host}:{s.upstream_port}"
+        h2 = req.is_http2 or req.is_http3  # there `:authority` is the host header; Host only overwritten
+        drop = wire.DROP_UPSTREAM_LLM_BYTES if llm else wire.DROP_UPSTREAM_BYTES
+        fields: list[tuple[bytes, bytes]] = []
+        has_host = False
+        for k, v in req.headers.fields:
+            name = k.lower()
+            if name in drop:
+                continue
+            if name == b"host":
+                v, has_host = authority.encode(), True
+            fields.append((k, v))
+        if not (has_host or h2):
+            fields.insert(0, (b"Host", authority.encode()))
+        if llm:
+            fields.append((b"accept-encoding", b"identity"))
         if s.upstream_key:
-            fields += ((b"authorization", f"Bearer {s.upstream_key}".encode()),)
-        req.headers.fields = fields
-        req.scheme, req.host, req.port = s.upstream_scheme, s.upstream_host, s.upstream_port
-        req.host_header = f"{s.upstream_host}:{s.upstream_port}"
+            fields.append((b"authorization", f"Bearer {s.upstream_key}".encode()))
+        req.headers.fields = tuple(fields)
+        if h2:
+            req.authority = authority
         req.path = path
 
     def _prepare(self, flow: http.HTTPFlow, ex: Exchange, s: options.Settings) -> None:
         """Routing, translation and token-id injection on the body; then freeze what goes upstream."""
         req = flow.request
-        req.headers["accept-encoding"] = "identity"  # we read and rewrite the answer
         body = _json_object(req.content) if req.method == "POST" else None
         if body is not None:
             if isinstance(body.get("model"), str):
@@ -330,7 +359,7 @@ class OpenForge:
             ex.injected += profiles.inject(ex.engine_profile, engine_protocol, body)
             if ex.injected or ex.translated or route is not None:
                 _set_body(req, profiles.encode_json(body).encode())
-        ex.upstream_request = request_map(req.method, req.url, req.headers, req.raw_content)
+        ex.upstream_request = RequestParts(req.method, req.url, req.headers.fields, req.raw_content)
 
     def _reward(self, flow: http.HTTPFlow, path: str) -> None:
         """POST /openforge/v1/episodes/<episode>/reward: recorded here, never forwarded."""
@@ -347,8 +376,9 @@ class OpenForge:
         elif body.get("metadata") is not None and not isinstance(body.get("metadata"), dict):
             status, answer = 400, {"error": '"metadata" must be a JSON object'}
         else:
-            record = {"type": "reward", "id": uuid.uuid4().hex, "proxy": self.instance,
-                      "seq": next(self._seq), "t": time.time(), "episode": episode,
+            seq = next(self._seq)
+            record = {"type": "reward", "id": self._record_id(seq), "proxy": self.instance,
+                      "seq": seq, "t": time.time(), "episode": episode,
                       "reward": float(body["reward"]),
                       "task_id": None if body.get("task_id") is None else str(body["task_id"]),
                       "metadata": body.get("metadata")}
@@ -356,6 +386,17 @@ class OpenForge:
             answer = {"ok": True, "id": record["id"], "episode": episode}
             logger.info(f"reward episode={episode} reward={record['reward']:g}")
         flow.response = http.Response.make(status, json.dumps(answer).encode(),
+                                           {"content-type": "application/json"})
+
+    def _status(self, flow: http.HTTPFlow, s: options.Settings) -> None:
+        """GET /openforge/v1/status: a readiness probe, answered here. Its answer leaves after the records
+        of every exchange answered before it arrived (they are written right after their answers)."""
+        writer = self.writer
+        answer = {"ok": writer is not None, "proxy": self.instance, "started": self.started,
+                  "upstream": s.upstream_display, "engine_profile": self._profile,
+                  "flow_file": str(writer.current_path) if writer and writer.current_path else None,
+                  "records": self._records, "in_flight": len(self._inflight)}
+        flow.response = http.Response.make(200 if writer is not None else 503, json.dumps(answer).encode(),
                                            {"content-type": "application/json"})
 
     # -- engine --------------------------------------------------------------------------------------------
@@ -394,26 +435,61 @@ class OpenForge:
 
     # -- response side -------------------------------------------------------------------------------------
     def _finish(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        """Make the client's answer (stripped or translated) now; record the exchange once it has it."""
         resp = flow.response
         assert resp is not None
+        ex.t_end = time.time()
         client_response = None
+        has_ids: bool | None = None  # a stream's is found off the client's path
         if ex.streamed:
-            response = self._response_map(flow, None, ex)
-            has_ids = (ex.rewriter is not None and ex.rewriter.saw_ids) or stream_has_token_ids(ex.chunks)
+            response = self._response_parts(flow, None, ex)
             if ex.client_chunks is not None:
-                client_response = {**response, "chunks": ex.client_chunks}
+                client_response = response._replace(chunks=ex.client_chunks)
         else:
-            raw = resp.raw_content
-            response = self._response_map(flow, raw=raw)
+            response = self._response_parts(flow, raw=resp.raw_content)
             has_ids = False
             if ex.translated is not None:
                 has_ids = body_has_token_ids(resp.content)
                 self._translate_body(flow, ex)
-                client_response = self._response_map(flow, raw=resp.raw_content)
+                client_response = self._response_parts(flow, raw=resp.raw_content)
             elif ex.protocol != "other":
                 has_ids = self._strip_body(resp, ex)
-        self._write(ex, response, complete=True, client_response=client_response, has_ids=has_ids)
-        self._log(flow, ex, resp.status_code)
+        self._after_answer(lambda: self._record(flow, ex, response, client_response, has_ids))
+
+    def _record(self, flow: http.HTTPFlow, ex: Exchange, response: ResponseParts,
+                client_response: ResponseParts | None, has_ids: bool | None) -> None:
+        try:
+            if has_ids is None:
+                has_ids = (ex.rewriter is not None and ex.rewriter.saw_ids) or stream_has_token_ids(ex.chunks)
+            self._write(ex, response, complete=True, client_response=client_response, has_ids=has_ids)
+        except Exception as e:  # noqa: BLE001 - still write what we have
+            logger.exception("OpenForge: cannot write the exchange record")
+            ex.error = ex.error or f"proxy error while recording: {type(e).__name__}: {e}"
+            self._write(ex, None, complete=False)
+        self._log(flow, ex, flow.response.status_code if flow.response is not None else "ERR", flush=False)
+
+    def _after_answer(self, job: Callable[[], None]) -> None:
+        """Run `job` once the client has its answer, off its latency: mitmproxy sends the answer when the
+        current hook returns, within this pass of the event loop, and `call_soon` runs after that pass."""
+        self._after.append(job)
+        if len(self._after) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self._run_after)
+            except RuntimeError:  # no event loop (hooks called directly): now
+                self._run_after()
+
+    def _run_after(self) -> None:
+        jobs, self._after = self._after, []
+        for job in jobs:
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - one failed record must not drop the others of this pass
+                logger.exception("OpenForge: cannot record an exchange")
+        if jobs and self._call_lines:
+            try:
+                sys.stdout.flush()
+            except OSError:
+                self._call_lines = False
 
     @staticmethod
     def _strip_body(resp: http.Response, ex: Exchange) -> bool:
@@ -469,22 +545,21 @@ class OpenForge:
         if ex is not None:
             flow.metadata.pop(META, None)
             if ex.model is None:  # answered before the body was read (engine down)
-                model = (_json_object(ex.client_request.get("body")) or {}).get("model")
+                model = (_json_object(ex.client_request.body) or {}).get("model")
                 ex.model = model if isinstance(model, str) else None
             ex.error = message
             ex.upstream_request = None
             ex.t_end = time.time()
-            self._write(ex, self._response_map(flow, raw=body), complete=True)
+            self._write(ex, self._response_parts(flow, raw=body), complete=True)
             self._log(flow, ex, status)
 
     @staticmethod
-    def _response_map(flow: http.HTTPFlow, raw: bytes | None, ex: Exchange | None = None) -> dict[str, Any]:
+    def _response_parts(flow: http.HTTPFlow, raw: bytes | None, ex: Exchange | None = None) -> ResponseParts:
         resp = flow.response
         assert resp is not None
         streamed = ex is not None and ex.streamed
-        return {"status": resp.status_code, "headers": wire.masked_fields(resp.headers.fields),
-                "body": None if streamed else raw, "chunks": ex.chunks if streamed else None,
-                "streamed": streamed}
+        return ResponseParts(resp.status_code, resp.headers.fields, None if streamed else raw,
+                             ex.chunks if streamed else None)
 
     def _hide_key(self, flow: http.HTTPFlow) -> None:
         """The request has gone upstream: mask our key in the flow so no other addon or log shows it."""
@@ -495,35 +570,38 @@ class OpenForge:
         )
 
     # -- output --------------------------------------------------------------------------------------------
-    def _write(self, ex: Exchange, response: dict[str, Any] | None, complete: bool,
-               client_response: dict[str, Any] | None = None, has_ids: bool = False) -> None:
+    def _write(self, ex: Exchange, response: ResponseParts | None, complete: bool,
+               client_response: ResponseParts | None = None, has_ids: bool = False) -> None:
         if ex.written:  # at shutdown, before mitmproxy's own error hook for the same flow
             return
-        ex.written = True
-        self._inflight.pop(ex.id, None)
         if ex.t_end is None:
             ex.t_end = time.time()
-        self._write_record(ex.record(response, client_response, complete, has_ids))
+        record = ex.record(response, client_response, complete, has_ids)
+        ex.written = True
+        self._inflight.pop(ex.id, None)
+        self._write_record(record)
 
     def _write_record(self, record: dict[str, Any]) -> None:
         if self.writer is None:
             return
         try:
             self.writer.write(record)
+            self._records += 1
         except OSError as e:
             # Traffic must not continue unrecorded: stop the proxy loudly.
             logger.error(f"OpenForge: cannot write flow file in {self.writer.directory}: {e}; stopping")
             ctx.master.shutdown()
 
-    def _log(self, flow: http.HTTPFlow, ex: Exchange, status: int | str) -> None:
+    def _log(self, flow: http.HTTPFlow, ex: Exchange, status: int | str, flush: bool = True) -> None:
         """The masked per-call line, printed straight to stdout in mitmdump's line format.
 
         Through `logging`, mitmproxy turns every line into an `add_log` event dispatched to all its addons:
         that cost 0.6 ms of CPU per request, half of what the addon costs (bench/proxy_overhead.py).
+        Lines written after answers are flushed once per event-loop pass (`_run_after`).
         """
         if not self._call_lines:
             return
-        req_bytes = len(ex.client_request.get("body") or b"")
+        req_bytes = len(ex.client_request.body or b"")
         resp_bytes = sum(len(c[1]) for c in ex.chunks) if ex.streamed else (
             len(flow.response.raw_content or b"") if flow.response is not None else 0)
         now = time.time()
@@ -533,10 +611,10 @@ class OpenForge:
             sys.stdout.write(f"[{stamp}] {flow.request.method} {ex.path} {ex.protocol} model={ex.model}->"
                              f"{ex.upstream_model} role={ex.role} episode={ex.episode} {req_bytes}B->{resp_bytes}B "
                              f"{status} {latency:.0f}ms\n")
-            sys.stdout.flush()
+            if flush:
+                sys.stdout.flush()
         except OSError:  # stdout gone (closed pipe): the flow file still has the call
             self._call_lines = False
-
 
 
 def _set_body(message: http.Message, data: bytes) -> None:

@@ -16,8 +16,10 @@ SECRET_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization",
 DROP_UPSTREAM = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie",
                            "x-openforge-episode", "x-openforge-role"})
 DROP_UPSTREAM_BYTES = frozenset(name.encode() for name in DROP_UPSTREAM)
+DROP_UPSTREAM_LLM_BYTES = DROP_UPSTREAM_BYTES | {b"accept-encoding"}  # replaced by identity: we read the answer
 _SECRET_BYTES = frozenset(name.encode() for name in SECRET_HEADERS)
 REWARD_PREFIX = "/openforge/v1/episodes/"
+STATUS_PATH = "/openforge/v1/status"
 
 # (path suffix, protocol, canonical engine path); longest suffixes first.
 _ENDPOINTS = (
@@ -124,6 +126,14 @@ def header_map(fields: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
         name, value = k.decode("utf-8", "surrogateescape").lower(), v.decode("utf-8", "surrogateescape")
         out[name] = f"{out[name]}, {value}" if name in out else value
     return out
+
+
+def is_event_stream(fields: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether raw header fields say `content-type: text/event-stream` (one pass, no per-field decoding)."""
+    for k, v in fields:
+        if k.lower() == b"content-type":
+            return v.lstrip().lower().startswith(b"text/event-stream")
+    return False
 
 
 def masked_fields(fields: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:

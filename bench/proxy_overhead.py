@@ -5,10 +5,13 @@ The addon asks the engine for token ids and logprobs the client did not ask for,
 several times larger than the others'. To separate that payload from the proxy's own cost, two more rows
 send the same requests with `return_token_ids` + `logprobs` set by the client, through bare mitmdump and
 through the addon (which then injects and strips nothing): same bytes on every leg, so their difference is
-the addon's own cost.
+the addon's own cost. A third, `direct, ids`, shows what those fields cost the engine itself (here it
+shares the machine's cores with the proxy; in production it has its own).
 
 Why a script and not a test: timings depend on the machine; this prints them side by side from one run,
 with rounds interleaved (path A, B, C, A, B, C, ...) so drift in machine load hits every path alike.
+The added p50 of the addon over bare mitmdump is also given per round (both measured minutes apart at
+most), as the median and range over rounds: the spread is this machine's noise.
 
 Measured per path: non-streamed requests/s and latency (p50/p99, and added over direct) at 1 and 16
 concurrent clients; SSE time to first event and per-chunk latency (client arrival minus the engine's send
@@ -19,6 +22,10 @@ through each path.
 
 The engine is tests/support/scripted_engine.py in its own process; the load generator is a minimal asyncio
 HTTP/1.1 client with keep-alive connections (cheaper than httpx, so it disturbs the measurement less).
+On a machine with 2 or more CPUs the proxies run on the last CPU and the engine and load generator on the
+others (`--no-pin` to share them all): in production the engine has its own machine, and here its Python
+work (token ids and logprobs for ~28k prompt tokens take it milliseconds) would otherwise be charged to
+whichever proxy it competes with.
 
     .venv/bin/python bench/proxy_overhead.py            # default: about a minute on 2 cores
     .venv/bin/python bench/proxy_overhead.py --scale 3 --rounds 3   # steadier figures
@@ -63,7 +70,7 @@ LONG_MESSAGES = [
 ]
 ENGINE_T = re.compile(rb'"engine_t": ?([0-9.]+)')  # the addon re-encodes events it strips: no space
 ASK_IDS = {"return_token_ids": True, "logprobs": True}  # the engine fields the addon injects (vLLM profile)
-PAYLOAD_BARE, PAYLOAD_OURS = "mitmdump, ids", "addon, ids"  # the client asks for ASK_IDS itself
+PAYLOAD_DIRECT, PAYLOAD_BARE, PAYLOAD_OURS = "direct, ids", "mitmdump, ids", "addon, ids"  # client asks ASK_IDS
 # Bare mitmdump buffers whole responses; this hook makes it stream SSE like the addon does, so the
 # baseline is a fair floor (written to the temp dir and loaded with -s).
 SSE_HOOK = """def responseheaders(flow):
@@ -71,6 +78,13 @@ SSE_HOOK = """def responseheaders(flow):
         flow.response.stream = True
 """
 TICK = os.sysconf("SC_CLK_TCK")
+PROXY_CPUS: set[int] | None = None  # set by --pin: the CPUs every proxy process runs on
+
+
+def _on_proxy_cpus() -> None:
+    """Popen preexec_fn: pin the child (and every thread or worker it starts) to PROXY_CPUS."""
+    if PROXY_CPUS:
+        os.sched_setaffinity(0, PROXY_CPUS)
 
 
 # -- processes -------------------------------------------------------------------------------------------------
@@ -173,7 +187,7 @@ def start_mitmdump(engine: str, tmp: Path, addon: Path | None, name: str | None 
                  "--set", f"openforge_flow_dir={flow_dir}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
     log = open(tmp / f"{name}.log", "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_on_proxy_cpus)
     wait_port(port, proc, name)
     return Path_(name, f"http://127.0.0.1:{port}", proc, flow_dir)
 
@@ -194,7 +208,7 @@ def start_litellm(binary: str, engine: str, tmp: Path) -> Path_:
                       f"      model: openai/{MODEL}\n      api_base: {engine}/v1\n      api_key: none\n")
     log = open(tmp / "litellm.log", "wb")
     proc = subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_on_proxy_cpus)
     wait_port(port, proc, "litellm", timeout=120)
     return Path_("litellm", f"http://127.0.0.1:{port}", proc)
 
@@ -266,6 +280,11 @@ class Phase:
     errors: int = 0
     wall: float = 0.0
     cpu: float = 0.0
+    rounds: list[int] = field(default_factory=list)  # len(latencies) at the end of each round
+
+    def round_p50s(self) -> list[float]:
+        starts = [0, *self.rounds[:-1]]
+        return [pct(self.latencies[a:b], .5) for a, b in zip(starts, self.rounds) if b > a]
 
 
 async def run_phase(path: Path_, n: int, concurrency: int, stream: bool, out: Phase,
@@ -364,10 +383,21 @@ def main() -> None:
     ap.add_argument("--baseline-addon", type=Path,
                     help="another copy of the addon measured in the same run, as the row 'addon baseline' "
                          "(e.g. `git archive OLD addons | tar -x -C /tmp/old`, then /tmp/old/addons/openforge.py)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="let proxies, engine and load generator share every CPU (default: proxies on the last "
+                         "CPU, the rest on the others)")
     ap.add_argument("--serve-engine", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_engine:
         return serve_engine(args.chunk_delay)
+
+    global PROXY_CPUS
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) >= 2:
+        PROXY_CPUS = {cpus[-1]}
+        os.sched_setaffinity(0, set(cpus[:-1]))  # this load generator, and the engine it starts
+    pinning = (f"proxies on CPU {cpus[-1]}, engine and load on CPU {','.join(map(str, cpus[:-1]))}"
+               if PROXY_CPUS else "not pinned")
 
     counts = {k: max(4, int(v * args.scale)) for k, v in
               {"ns1": 50, "ns16": 128, "s1": 8, "s16": 32, "long1": 16}.items()}
@@ -378,14 +408,15 @@ def main() -> None:
     paths = [Path_("direct", engine)]
     try:
         bare, ours = start_mitmdump(engine, tmp / "bare", None), start_mitmdump(engine, tmp / "addon", args.addon)
-        paths += [bare, ours, Path_(PAYLOAD_BARE, bare.url, bare.proc, extra_body=ASK_IDS),
+        paths += [bare, ours, Path_(PAYLOAD_DIRECT, engine, extra_body=ASK_IDS),
+                  Path_(PAYLOAD_BARE, bare.url, bare.proc, extra_body=ASK_IDS),
                   Path_(PAYLOAD_OURS, ours.url, ours.proc, ours.flow_dir, extra_body=ASK_IDS)]
         if args.baseline_addon:
             paths.append(start_mitmdump(engine, tmp / "baseline", args.baseline_addon, "addon baseline"))
         litellm = find_litellm(args.litellm)
         if litellm:
             paths.append(start_litellm(litellm, engine, tmp))
-        print(f"engine {engine} (chunk delay {args.chunk_delay * 1000:g} ms); paths: "
+        print(f"engine {engine} (chunk delay {args.chunk_delay * 1000:g} ms); {pinning}; paths: "
               f"{', '.join(p.name for p in paths)}; LiteLLM: {litellm or 'not installed'}; counts {counts}; "
               f"{args.rounds} rounds", flush=True)
         phases = {(p.name, k): Phase() for p in paths for k in counts}
@@ -396,8 +427,10 @@ def main() -> None:
             for kind, n in counts.items():
                 for p in paths[r % len(paths):] + paths[: r % len(paths)]:
                     conc = 16 if kind.endswith("16") else 1
-                    asyncio.run(run_phase(p, n, conc, kind.startswith("s"), phases[(p.name, kind)],
+                    phase = phases[(p.name, kind)]
+                    asyncio.run(run_phase(p, n, conc, kind.startswith("s"), phase,
                                           LONG_MESSAGES if kind == "long1" else MESSAGES))
+                    phase.rounds.append(len(phase.latencies))
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         own = [p for p in paths if not p.extra_body]  # the payload rows reuse the bare and addon processes
         rss = {p.name: rss_mb(p.proc.pid) if p.proc else float("nan") for p in own}
@@ -452,6 +485,8 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
         b16, o16 = phases[(name_bare, "ns16")], phases[(name_ours, "ns16")]
         ratio = (o16.requests / o16.wall) / (b16.requests / b16.wall)
         add1 = pct(phases[(name_ours, "ns1")].latencies, .5) - pct(phases[(name_bare, "ns1")].latencies, .5)
+        per_round = sorted(o - b for o, b in zip(phases[(name_ours, "ns1")].round_p50s(),
+                                                 phases[(name_bare, "ns1")].round_p50s()))
         cpu = {n: sum(phases[(n, k)].cpu for k in ("ns1", "ns16")) /
                max(1, sum(phases[(n, k)].requests for k in ("ns1", "ns16"))) for n in (name_bare, name_ours)}
         chunk = {n: sum(phases[(n, k)].cpu for k in ("s1", "s16")) /
@@ -460,9 +495,17 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
         long_p50 = pct(long[name_ours].latencies, .5) - pct(long[name_bare].latencies, .5)
         long_cpu = {n: ph.cpu / max(1, ph.requests) for n, ph in long.items()}
         print(f"addon vs bare mitmdump, {what}: throughput x{ratio:.2f} at 16 concurrent, p50 {add1 * 1e3:+.2f} ms "
-              f"at 1, proxy CPU {(cpu[name_ours] - cpu[name_bare]) * 1e3:+.2f} ms/request, "
+              f"at 1 (per round: median {pct(per_round, .5) * 1e3:+.2f}, {per_round[0] * 1e3:+.2f} to "
+              f"{per_round[-1] * 1e3:+.2f}), proxy CPU {(cpu[name_ours] - cpu[name_bare]) * 1e3:+.2f} ms/request, "
               f"{(chunk[name_ours] - chunk[name_bare]) * 1e3:+.3f} ms/chunk; agent-sized request: p50 "
               f"{long_p50 * 1e3:+.2f} ms, proxy CPU {(long_cpu[name_ours] - long_cpu[name_bare]) * 1e3:+.2f} ms/request")
+    needed = ("direct", PAYLOAD_DIRECT, "mitmdump", PAYLOAD_BARE, PAYLOAD_OURS, "mitmdump+addon")
+    if all((n, "ns16") in phases for n in needed):
+        rps = {n: phases[(n, "ns16")].requests / phases[(n, "ns16")].wall for n in needed}
+        print(f"as deployed, throughput at 16 concurrent = x{rps[PAYLOAD_BARE] / rps['mitmdump']:.2f} (the larger "
+              f"answers through bare mitmdump; the engine alone: x{rps[PAYLOAD_DIRECT] / rps['direct']:.2f}) "
+              f"* x{rps[PAYLOAD_OURS] / rps[PAYLOAD_BARE]:.2f} (the addon, same payload) "
+              f"* x{rps['mitmdump+addon'] / rps[PAYLOAD_OURS]:.2f} (injecting and stripping the fields)")
     if ("addon baseline", "ns16") in phases:
         def per(name: str, kinds: tuple[str, ...]) -> float:
             return sum(phases[(name, k)].cpu for k in kinds) / max(1, sum(phases[(name, k)].requests for k in kinds))

@@ -6,12 +6,14 @@ Light on purpose (stdlib + pytest only): it runs in the Python 3.12 proxy enviro
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,6 +78,11 @@ class Proxy:
             except OSError:
                 time.sleep(0.1)
         raise RuntimeError(f"mitmdump did not listen within {timeout}s:\n{self.log()}")
+
+    def status(self) -> dict:
+        """The addon's status answer; once it is back, every exchange answered before is in the flow file."""
+        with urllib.request.urlopen(f"{self.url}/openforge/v1/status", timeout=10) as r:
+            return json.load(r)
 
     def log(self) -> str:
         if not self._log.closed:

@@ -38,6 +38,7 @@ def proxy(engine: ScriptedEngine, start_module_proxy: Any) -> Any:
 
 
 def records(proxy: Any) -> list[dict[str, Any]]:
+    proxy.status()  # records are written right after their answers: wait for those of every answered call
     out = []
     for path in expand_paths([proxy.flow_dir]):
         ff = open_flow_file(path)
@@ -220,6 +221,24 @@ def test_reward_endpoint(proxy: Any) -> None:
     assert httpx.get(f"{proxy.url}/openforge/v1/episodes/x/reward").status_code == 405
     (rew,) = [r for r in records(proxy) if r["type"] == "reward"]
     assert rew == {**rew, "episode": "ep/9", "reward": 0.75, "task_id": "t1", "metadata": {"tests": 3}}
+
+
+def test_status_answer_comes_after_the_records_of_answered_calls(proxy: Any, engine: Any) -> None:
+    """Records are written just after their answers leave; the status answer is a barrier behind them."""
+    seen = len(engine.requests)
+    with httpx.Client() as client:
+        for i in range(20):
+            stream = i % 2 == 1
+            r = client.post(f"{proxy.url}/e/st-{i}/v1/chat/completions",
+                            json={"model": "m", "messages": MESSAGES, "stream": stream})
+            assert r.status_code == 200
+        status = client.get(f"{proxy.url}/openforge/v1/status").json()
+    written = [r for path in expand_paths([proxy.flow_dir]) for r in open_flow_file(path).records()]
+    assert {f"st-{i}" for i in range(20)} <= {r.get("episode") for r in written}
+    assert status == {**status, "ok": True, "records": len(written), "in_flight": 0}
+    assert status["flow_file"] in {str(p) for p in expand_paths([proxy.flow_dir])}
+    assert engine.url.startswith(status["upstream"]) and status["engine_profile"] == "vllm"  # auto-detected
+    assert len(engine.requests) == seen + 20  # answered by the proxy, never forwarded
 
 
 def test_forward_mode_vendor_host_is_rewritten(proxy: Any) -> None:
