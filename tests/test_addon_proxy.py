@@ -239,6 +239,9 @@ def test_status_answer_comes_after_the_records_of_answered_calls(proxy: Any, eng
     assert status["flow_file"] in {str(p) for p in expand_paths([proxy.flow_dir])}
     assert engine.url.startswith(status["upstream"]) and status["engine_profile"] == "vllm"  # auto-detected
     assert len(engine.requests) == seen + 20  # answered by the proxy, never forwarded
+    # each call's line, streamed or not; mitmproxy's own per-stream line is dropped (it costs time to first token)
+    log = proxy.log()
+    assert all(f"episode=st-{i} " in log for i in range(20)) and "Streaming response from" not in log
 
 
 def test_forward_mode_vendor_host_is_rewritten(proxy: Any) -> None:
