@@ -28,7 +28,7 @@ work (token ids and logprobs for ~28k prompt tokens take it milliseconds) would 
 whichever proxy it competes with.
 
     .venv/bin/python bench/proxy_overhead.py            # default: about a minute on 2 cores
-    .venv/bin/python bench/proxy_overhead.py --scale 3 --rounds 3   # steadier figures
+    .venv/bin/python bench/proxy_overhead.py --scale 3 --rounds 6   # steadier figures (~2.5 min)
 """
 
 from __future__ import annotations
