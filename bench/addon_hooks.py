@@ -53,6 +53,7 @@ def engine_answer(url: str, body: dict) -> tuple[bytes, dict[str, str]]:
 
 
 def new_flow(request_body: bytes) -> http.HTTPFlow:
+    """A request as mitmproxy's reverse mode hands it to addons: already pointed at the target (the engine)."""
     f = tflow.tflow()
     f.request = http.Request.make("POST", "http://127.0.0.1:9/v1/chat/completions", request_body, {
         "content-type": "application/json", "authorization": "Bearer sk-client", "user-agent": "OpenAI/Python 1.0"})
