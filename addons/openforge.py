@@ -317,6 +317,7 @@ class OpenForge:
         if (req.host, req.port) != (s.upstream_host, s.upstream_port):  # in reverse mode mitmproxy did it
             req.host, req.port = s.upstream_host, s.upstream_port
         authority = f"{s.upstream_host}:{s.upstream_port}"
+        host = authority.encode()
         h2 = req.is_http2 or req.is_http3  # there `:authority` is the host header; Host only overwritten
         drop = wire.DROP_UPSTREAM_LLM_BYTES if llm else wire.DROP_UPSTREAM_BYTES
         fields: list[tuple[bytes, bytes]] = []
@@ -326,10 +327,10 @@ class OpenForge:
             if name in drop:
                 continue
             if name == b"host":
-                v, has_host = authority.encode(), True
+                v, has_host = host, True
             fields.append((k, v))
         if not (has_host or h2):
-            fields.insert(0, (b"Host", authority.encode()))
+            fields.insert(0, (b"Host", host))
         if llm:
             fields.append((b"accept-encoding", b"identity"))
         if s.upstream_key:
