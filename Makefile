@@ -46,4 +46,5 @@ test-addon-312:
 bench: setup setup-litellm
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/addon_hooks.py
+	$(BIN)/python bench/mitmproxy_legs.py
 	$(BIN)/python bench/reconstruct_throughput.py
