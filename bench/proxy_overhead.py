@@ -562,7 +562,7 @@ def verdict(phases: dict) -> None:
           f"({check(ttfb['mitmdump+addon'] <= 2)}; bare mitmdump {ttfb['mitmdump']:+.2f})")
     if ("litellm", "ns16") in phases:
         lite = rps("mitmdump+addon", "ns16") / rps("litellm", "ns16")
-        print(f"  vs LiteLLM at 16 concurrent: x{lite:.1f} ({check(lite >= 4)})")
+        print(f"  vs LiteLLM at 16 concurrent: x{lite:.2f} ({check(lite >= 4)})")
 
 
 if __name__ == "__main__":
