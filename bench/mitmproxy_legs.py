@@ -34,20 +34,6 @@ def request(flow):
 """
 
 
-def start_answering_mitmdump(engine: str, tmp: Path) -> po.Path_:
-    tmp.mkdir(parents=True, exist_ok=True)
-    hook = tmp / "answer.py"
-    hook.write_text(ANSWER_HOOK)
-    port = po.free_port()
-    proc = subprocess.Popen(
-        [str(po.MITMDUMP), "--listen-host", "127.0.0.1", "-p", str(port), "--mode", f"reverse:{engine}",
-         "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", f"confdir={tmp / 'mitmconf'}",
-         "-s", str(hook)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=po._on_proxy_cpus)
-    po.wait_port(port, proc, "mitmdump answering itself")
-    return po.Path_("mitmdump, no upstream", f"http://127.0.0.1:{port}", proc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=400, help="requests per path, round and concurrency")
@@ -63,7 +49,8 @@ def main() -> None:
     engine = engine_proc.stdout.readline().strip()  # type: ignore[union-attr]
     paths = [po.Path_("direct", engine)]
     try:
-        paths += [po.start_mitmdump(engine, tmp / "bare", None), start_answering_mitmdump(engine, tmp / "answer")]
+        paths += [po.start_mitmdump(engine, tmp / "bare", None),
+                  po.start_mitmdump(engine, tmp / "answer", None, "mitmdump, no upstream", hook=ANSWER_HOOK)]
         phases = {(p.name, c): po.Phase() for p in paths for c in (1, 16)}
         for p in paths:  # warm-up
             asyncio.run(po.run_phase(p, 50, 2, False, po.Phase()))

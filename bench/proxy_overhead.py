@@ -171,7 +171,9 @@ class Path_:
                 self.proc.wait()
 
 
-def start_mitmdump(engine: str, tmp: Path, addon: Path | None, name: str | None = None) -> Path_:
+def start_mitmdump(engine: str, tmp: Path, addon: Path | None, name: str | None = None,
+                   hook: str = SSE_HOOK) -> Path_:
+    """mitmdump in reverse mode in front of the engine: with the addon, or bare with a `hook` script."""
     port = free_port()
     name = name or ("mitmdump+addon" if addon else "mitmdump")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -179,9 +181,9 @@ def start_mitmdump(engine: str, tmp: Path, addon: Path | None, name: str | None 
             "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", f"confdir={tmp / 'mitmconf'}"]
     flow_dir = None
     if not addon:
-        hook = tmp / "stream_sse.py"
-        hook.write_text(SSE_HOOK)
-        args += ["-s", str(hook)]
+        script = tmp / "hook.py"
+        script.write_text(hook)
+        args += ["-s", str(script)]
     else:
         flow_dir = tmp / "flows"
         args += ["-s", str(addon), "--set", f"openforge_upstream_url={engine}",
