@@ -227,9 +227,14 @@ def _flush(bufs: dict[str, store.Buffer], file_id: str, summary: Summary) -> Non
 
 
 def _skip(bufs: dict[str, store.Buffer], summary: Summary, file_id: str, record_id: Any, reason: str, detail: str) -> None:
-    record_id = None if record_id is None else str(record_id)[:100]
-    bufs["skipped"].add(file_id=file_id, record_id=record_id, reason=reason, detail=detail[:500])
+    record_id = None if record_id is None else _text(str(record_id)[:100])
+    bufs["skipped"].add(file_id=file_id, record_id=record_id, reason=reason, detail=_text(detail[:500]))
     summary.skipped[reason] += 1
+
+
+def _text(s: str) -> str:
+    """`s` storable whatever a damaged record put in it (a lone surrogate becomes its escape)."""
+    return s.encode("utf-8", "backslashreplace").decode()
 
 
 def _skip_failed(rec, error: Exception, mark: dict[str, int], file_id: str, bufs: dict[str, store.Buffer],

@@ -45,6 +45,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "t_end": pa.float64(),
     "seq": pa.int64(),
     "record_id": pa.string(),
+    "detail": pa.string(),
     "role": pa.string(),
     "toolchain": pa.string(),
     "model": pa.string(),
@@ -109,7 +110,7 @@ def check(column: str, value: Any) -> Any:
     if value is None or typ is None or pa.types.is_list(typ):
         return value
     if pa.types.is_string(typ):
-        ok = isinstance(value, str)
+        ok = isinstance(value, str) and _utf8(value)
     elif pa.types.is_binary(typ):
         ok = isinstance(value, bytes)
     elif pa.types.is_floating(typ):
@@ -119,8 +120,17 @@ def check(column: str, value: Any) -> Any:
         bits = _INT_BITS[typ]
         ok = isinstance(value, int) and not isinstance(value, bool) and -(2 ** (bits - 1)) <= value < 2 ** (bits - 1)
     if not ok:
-        raise BadValue(f"{column}: {type(value).__name__} {str(value)[:60]!r} is not {typ}")
+        raise BadValue(f"{column}: {type(value).__name__} {str(value)[:60]!r} does not fit {typ}")
     return value
+
+
+def _utf8(text: str) -> bool:
+    """False for a lone surrogate (JSON's "\\ud800" escape decodes to one), which Arrow cannot store."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _fits_double(value: int | float) -> bool:

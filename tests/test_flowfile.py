@@ -75,3 +75,20 @@ def test_not_a_flow_file(tmp_path: Path) -> None:
     path.write_bytes(pack(exchange(0)))
     ff = open_flow_file(path)
     assert list(ff.records()) == [] and "no header" in ff.error
+
+
+def test_damaged_bytes_spoil_only_what_they_hit(tmp_path: Path) -> None:
+    """A string that is not UTF-8 spoils only itself; a map without `type` is the reader's caller's to report;
+    a map used as a key (one flipped bit turns a string header into a map header) stops the file there."""
+    w = FlowWriter(tmp_path, "dmg")
+    for i in range(2):
+        w.write(exchange(i))
+    w.close()
+    (path,) = expand_paths([tmp_path])
+    not_utf8 = pack({"type": "exchange", "id": "x"}).replace(b"\xa1x", b"\xa1\xff")
+    map_key = b"\x81\x81\xa1k\x01\x02"  # {{"k": 1}: 2}
+    with open(path, "ab") as f:
+        f.write(not_utf8 + pack({"id": "no-type"}) + pack(exchange(3)) + map_key + pack(exchange(4)))
+    ff = open_flow_file(path)
+    assert [r["id"] for r in ff.records()] == ["id0", "id1", "\ufffd", "no-type", "id3"]
+    assert "TypeError" in ff.error and not ff.torn_tail

@@ -285,3 +285,83 @@ def test_reconstruct_survives_every_field_deleted_or_retyped(corpus: Corpus) -> 
     s = corpus.reconstruct(corpus.file_bytes(variants), "sweep")
     check_run(corpus, s, "sweep", set())
     assert s.records == len(variants) + len(corpus.records) and s.calls > len(variants) // 2  # most leave a call
+
+
+# ---------------------------------------------------------------- the failure classes, one by one
+
+
+def test_reconstruct_reports_records_of_unknown_type(corpus: Corpus) -> None:
+    s = corpus.reconstruct(corpus.file_bytes([*corpus.records, {"type": "telemetry", "id": "t1"}]), "unknown")
+    assert s.skipped == {"unknown_record_type": 1}
+    [row] = db_rows(corpus.work / "unknown" / "db.duckdb", "SELECT * FROM skipped")
+    assert (row["record_id"], row["detail"]) == ("t1", "record type 'telemetry'")
+
+
+def test_reconstruct_drops_a_half_stored_record_whole(corpus: Corpus) -> None:
+    """A value refused after the call was split into a prompt suffix: no row of it stays, and the next call
+    of its episode is stored whole, not as a suffix of a call that is not there."""
+    first, second = corpus.records[0], corpus.records[1]
+    records = [dict(first, t_start="soon"), *corpus.records[1:]]
+    s = corpus.reconstruct(corpus.file_bytes(records), "half")
+    assert s.skipped == {"malformed_record": 1} and s.calls == corpus.summary.calls - 1
+    db = corpus.work / "half" / "db.duckdb"
+    [row] = db_rows(db, "SELECT * FROM skipped")
+    assert row["record_id"] == first["id"] and "t_start" in row["detail"]
+    assert db_rows(db, f"SELECT count(*) n FROM calls WHERE call_id = '{first['id']}'")[0]["n"] == 0
+    stored = db_rows(db, f"SELECT prefix_call_id FROM call_tokens WHERE call_id = '{second['id']}'")
+    assert stored == [{"prefix_call_id": None}]
+    assert corpus.samples("half", "alpha") and corpus.samples("half", "omega") == corpus.good_samples
+
+
+def test_buffer_sends_the_rows_arrow_accepts(tmp_path: Path) -> None:
+    con = store.connect(tmp_path / "db.duckdb")
+    assert con.execute("SELECT count(*) FROM skipped").fetchall() == [(0,)]
+    buf = store.Buffer(con, "skipped", ["file_id", "record_id", "reason", "detail"])
+    with pytest.raises(store.BadValue, match="record_id"):
+        buf.add(file_id="f", record_id={"not": "text"}, reason="r", detail="")
+    for record_id, reason in (("a", "r"), ("b", "lone \ud800 surrogate"), ("c", "r")):  # `reason` is not checked
+        buf.add(file_id="f", record_id=record_id, reason=reason, detail="d")
+    assert buf.flush() == 2
+    assert con.execute("SELECT list(record_id ORDER BY record_id) FROM skipped").fetchone()[0] == ["a", "c"]
+    [(row, error)] = buf.rejected
+    assert row["record_id"] == "b" and "UnicodeEncodeError" in error
+    con.close()
+
+
+def test_reconstruct_sends_a_row_arrow_refuses_to_skipped(corpus: Corpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback for a value no check foresaw: that row goes to `skipped` (insert_failed), the batch goes on."""
+    monkeypatch.setattr(store, "check", lambda column, value: value)  # no check: the value reaches Arrow
+    records = [dict(corpus.records[2], role=["not", "text"]), *corpus.records[3:]]
+    s = corpus.reconstruct(corpus.file_bytes(records), "fallback")
+    assert s.skipped == {"insert_failed": 1}
+    [row] = db_rows(corpus.work / "fallback" / "db.duckdb", "SELECT * FROM skipped")
+    assert row["record_id"] == corpus.records[2]["id"] and row["detail"].startswith("calls: ")
+    assert corpus.samples("fallback", "omega") == corpus.good_samples
+
+
+# ---------------------------------------------------------------- the commands
+
+
+def test_cli_reconstruct_and_flows_show_on_damaged_files(corpus: Corpus, tmp_path: Path) -> None:
+    """No traceback: `reconstruct` exits 0 and lists what it skipped, `flows show` names the damage."""
+    from openforge.cli import app
+
+    flows = tmp_path / "flows"
+    flows.mkdir()
+    records = [dict(corpus.records[0], t_start="soon"), dict(corpus.records[1], client_request=7,
+               protocol=None, role=["x"], error="[/]"), *corpus.records[2:]]
+    (flows / "1-records.flows").write_bytes(corpus.file_bytes(records))
+    data = corpus.damaged.read_bytes()
+    flip = corpus.offsets[3] + 3  # the fourth record's first key, "type": a string header flipped to a map's
+    (flows / "2-bytes.flows").write_bytes(data[:flip] + bytes([data[flip] ^ 0x20]) + data[flip + 1:])
+    shutil.copy(corpus.good, flows / "3-good.flows")
+    runner = CliRunner()
+    res = runner.invoke(app, ["reconstruct", str(flows), "--db", str(tmp_path / "db.duckdb"), "--tokenizer",
+                              qwen_path(), "--missing-reward", "fill:0"])
+    assert res.exit_code == 0 and res.exception is None, res.output
+    assert "malformed_record 1" in res.output and "corrupt_file 1" in res.output
+    assert "Traceback" not in res.output
+    for args in ([], ["--json"]):
+        res = runner.invoke(app, ["flows", "show", *args, str(flows)])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert "Traceback" not in res.output and "corrupt data after byte" in res.output

@@ -17,21 +17,26 @@ def register(app: typer.Typer) -> None:
     app.add_typer(flows_app, name="flows")
 
 
+def _map(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def summary(record: dict[str, Any]) -> dict[str, Any]:
-    """The per-record fields `--json` prints (stable keys for scripts)."""
+    """The per-record fields `--json` prints (stable keys for scripts); a damaged record shows what it holds."""
     if record.get("type") == "reward":
         return {"type": "reward", "id": record.get("id"), "episode": record.get("episode"),
                 "reward": record.get("reward"), "task_id": record.get("task_id")}
-    request = record.get("client_request") or {}
-    response = record.get("response") or {}
+    request = _map(record.get("client_request"))
+    response = _map(record.get("response"))
+    url = request.get("url")
     return {
-        "type": "exchange",
+        "type": record.get("type") if isinstance(record.get("type"), str) else "exchange",
         "id": record.get("id"),
         "episode": record.get("episode"),
         "role": record.get("role"),
         "toolchain": record.get("toolchain"),
         "protocol": record.get("protocol"),
-        "path": urlsplit(request.get("url") or "").path,
+        "path": urlsplit(url).path if isinstance(url, str) else "",
         "model": record.get("model"),
         "status": response.get("status"),
         "complete": record.get("complete"),
@@ -72,7 +77,7 @@ def show(
             continue
         if as_json:
             for row in rows:
-                typer.echo(json.dumps({"file": str(path), **row}))
+                typer.echo(json.dumps({"file": str(path), **row}, default=repr))
         else:
             table = Table(title=f"{path.name}  ({len(rows)} records, file id {ff.file_id})", title_justify="left")
             for col in ("episode", "role", "toolchain", "protocol", "path", "status", "complete", "streamed",
@@ -80,13 +85,13 @@ def show(
                 table.add_column(col, overflow="fold")
             for r in rows:
                 if r["type"] == "reward":
-                    table.add_row(r["episode"], "", "", "reward", "", f"{r['reward']:g}", "", "", "", "")
+                    table.add_row(_cell(r["episode"]), "", "", "reward", "", _cell(r["reward"]), "", "", "", "")
                     continue
-                table.add_row(r["episode"] or "-", r["role"], r["toolchain"] or "-",
-                              r["protocol"] + (" (translated)" if r["translated"] else ""), r["path"],
-                              str(r["status"] or "-"), "yes" if r["complete"] else "NO",
+                table.add_row(_cell(r["episode"]), _cell(r["role"]), _cell(r["toolchain"]),
+                              _cell(r["protocol"]) + (" (translated)" if r["translated"] else ""), _cell(r["path"], ""),
+                              _cell(r["status"]), "yes" if r["complete"] else "NO",
                               "yes" if r["streamed"] else "no", "yes" if r["has_token_ids"] else "no",
-                              r["error"] or "")
+                              _cell(r["error"], ""))
             console.print(table)
         if ff.torn_tail:
             typer.echo(f"warning: {path}: last record cut short (proxy killed mid-write); skipped", err=True)
@@ -95,3 +100,12 @@ def show(
             bad = True
     if bad:
         raise typer.Exit(1)
+
+
+def _cell(value: Any, empty: str = "-") -> Any:
+    """A table cell for any value a record holds (a damaged one may hold anything), never read as markup."""
+    from rich.text import Text
+
+    if value is None or value == "":
+        return Text(empty)
+    return Text(f"{value:g}" if isinstance(value, float) else str(value))

@@ -82,6 +82,9 @@ def reconstruct_command(
         except RewardFileError as e:
             console.print(f"[red]{e}")
             raise typer.Exit(2) from None
+        except Exception as e:  # noqa: BLE001 - a sentence, never a traceback (a bad record is skipped, not raised)
+            console.print(f"reconstruct stopped: {type(e).__name__}: {e}", style="red", markup=False)
+            raise typer.Exit(1) from None
     print_summary(summary)
 
 
