@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from openforge.engine import CHATML_TOOLS_TEMPLATE, EmbeddedEngine, die_with_parent, free_port
+from openforge.engine import EmbeddedEngine, die_with_parent, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RL_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
@@ -193,8 +193,7 @@ class Demo:
         from reconstruct import reconstruct
 
         with self.stage("reconstruct", "reconstruct flow files into DuckDB"):
-            tokenizer = load_tokenizer(self.gguf)
-            tokenizer.chat_template = CHATML_TOOLS_TEMPLATE  # the template the engine rendered prompts with
+            tokenizer = load_tokenizer(self.gguf)  # with the chat template the engine rendered prompts with
             self.result.reconstruct = reconstruct([self.flow_dir], self.result.db, tokenizer, run="demo")
         if not self.result.reconstruct.samples:
             raise DemoError(f"reconstruct built no samples from {self.flow_dir}: {dict(self.result.reconstruct.skipped)}")
