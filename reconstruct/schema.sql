@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS calls (
     toolchain         VARCHAR,
     protocol          VARCHAR NOT NULL,    -- chat | completions | responses | anthropic
     model             VARCHAR,             -- the model the client asked for
-    engine_model      VARCHAR,             -- since 3: the model the engine was asked for after routing
+    engine_model      VARCHAR,             -- the model the engine was asked for after routing
     streamed          BOOLEAN NOT NULL,
     status            INTEGER,
     t_start           DOUBLE,              -- unix seconds
@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS calls (
     finish_reason     VARCHAR,
     token_source      VARCHAR NOT NULL,    -- engine | mixed (engine completion, rendered prompt) | retokenized
     sample_id         VARCHAR,             -- the sample whose trainable tokens hold this completion
-    -- since 3: engine (prompt ids from the engine) | match / mismatch (rendered prompt length vs the engine's
+    -- engine (prompt ids from the engine) | match / mismatch (rendered prompt length vs the engine's
     -- usage.prompt_tokens; mismatch = template drift, not trainable by default) | unchecked (no usage)
     prompt_check      VARCHAR
 );
@@ -79,8 +79,8 @@ CREATE TABLE IF NOT EXISTS samples (
     advantage          DOUBLE,
     weight             DOUBLE NOT NULL,
     created_at         TIMESTAMP NOT NULL,
-    role               VARCHAR,            -- since 3: the role of every call on this chain (one tree per role)
-    toolchain          VARCHAR             -- since 3: the toolchain of the chain's last call
+    role               VARCHAR,            -- the role of every call on this chain (one tree per role)
+    toolchain          VARCHAR             -- the toolchain of the chain's last call
 );
 
 -- Records that could not become calls, with the reason (never silently dropped).
