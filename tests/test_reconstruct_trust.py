@@ -195,3 +195,33 @@ def test_stats_show_prompt_and_completion_sources_apart(tmp_path, retok):
     stats = collect(tmp_path / "db.duckdb")
     assert stats["prompt_ids"] == {"engine": 1, "rendered": 1}
     assert stats["completion_ids"] == {"engine": 2, "rendered": 0}
+
+
+def test_reconstruct_cli_options_for_roles_groups_and_templates(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from openforge.commands import reconstruct as reconstruct_cmd
+    from openforge.commands import stats as stats_cmd
+    from tests.support.reconstruct_flows import qwen_path
+
+    app = typer.Typer()
+    reconstruct_cmd.register(app)
+    stats_cmd.register(app)
+    f = FlowFactory(tmp_path / "flows", seed=12)
+    f.write(f.chat(convo("a"), answer("x"), episode="e1"))
+    f.write(f.chat(convo("check a"), answer("ok"), episode="e1", role="validator"))
+    f.close()
+    runner = CliRunner()
+    base = ["reconstruct", str(tmp_path / "flows"), "--db", str(tmp_path / "x.duckdb"), "--tokenizer", qwen_path(),
+            "--missing-reward", "fill:1"]
+    res = runner.invoke(app, base + ["--train-roles", "agent,validator", "--group-by", "task-toolchain"])
+    assert res.exit_code == 0, res.output
+    assert "agent 1, validator 1" in res.output
+    assert all(r["n_trainable"] > 0 for r in db_rows(tmp_path / "x.duckdb", "SELECT n_trainable FROM samples"))
+    res = runner.invoke(app, ["stats", "--db", str(tmp_path / "x.duckdb")])
+    assert res.exit_code == 0 and "rendered 0" in res.output and "validator 1" in res.output
+    for extra, hint in ((["--group-by", "toolchain"], "task-toolchain"), (["--train-roles", " , "], "at least one"),
+                        (["--chat-template", str(tmp_path / "none.jinja")], "not a file")):
+        bad = runner.invoke(app, base + extra)
+        assert bad.exit_code == 2 and hint in bad.output and "Traceback" not in bad.output
