@@ -129,31 +129,40 @@ class FlowFile:
     error: str | None = None  # the file stops being readable at some offset (corruption)
 
     def records(self) -> Iterator[dict[str, Any]]:
-        """Yield exchange and reward records in file order, streaming (bounded memory)."""
+        """Yield exchange and reward records in file order, streaming (bounded memory).
+
+        A decoded map after the header is yielded whatever its fields (a record of unknown or missing
+        `type` is the caller's to report); the file stops being readable where the bytes stop decoding to
+        maps (`error`, the records before it yielded). Text that is not UTF-8 decodes with U+FFFD: a flipped
+        byte in a string spoils that string, not the rest of the file.
+        """
         self.n_bytes = self.path.stat().st_size
         with open(self.path, "rb") as f:
             unpacker = msgpack.Unpacker(
-                f, raw=False, strict_map_key=False, max_buffer_size=MAX_RECORD_BYTES
+                f, raw=False, strict_map_key=False, max_buffer_size=MAX_RECORD_BYTES, unicode_errors="replace"
             )
             end = 0  # offset after the last complete object (tell() also counts a torn object's first bytes)
-            try:
-                for obj in unpacker:
-                    end = unpacker.tell()
-                    if not isinstance(obj, dict) or "type" not in obj:
-                        self.error = f"not a flow record at offset {unpacker.tell()}"
-                        return
-                    if obj["type"] == "header":
-                        if self.header is None:
-                            self._set_header(obj)
-                        continue
+            while True:
+                try:
+                    obj = next(unpacker)
+                except StopIteration:
+                    break
+                except Exception as e:  # noqa: BLE001 - any undecodable byte (a map used as a key raises TypeError)
+                    self.error = f"corrupt data after byte {end}: {type(e).__name__}: {e}"
+                    return
+                start, end = end, unpacker.tell()
+                if not isinstance(obj, dict):
+                    self.error = f"not a flow record at offset {start}"
+                    return
+                if obj.get("type") == "header":
                     if self.header is None:
-                        self.error = "no header record: not an OpenForge flow file"
-                        return
-                    self.n_records += 1
-                    yield obj
-            except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
-                self.error = f"corrupt data after byte {unpacker.tell()}: {e}"
-                return
+                        self._set_header(obj)
+                    continue
+                if self.header is None:
+                    self.error = "no header record: not an OpenForge flow file"
+                    return
+                self.n_records += 1
+                yield obj
             if end < self.n_bytes:
                 self.torn_tail = True
             if self.header is None and self.error is None:

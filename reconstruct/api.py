@@ -213,13 +213,17 @@ def _ingest_file(
                 if index <= already:
                     continue
                 summary.records += 1
-                _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary, touched)
+                mark = {name: b.n for name, b in bufs.items()}
+                try:
+                    _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary, touched)
+                except Exception as e:  # noqa: BLE001 - one bad record is skipped, never the run
+                    _skip_failed(rec, e, mark, file_id, bufs, prefixes, summary)
                 if bufs["calls"].n >= FLUSH_EVERY or bufs["call_tokens"].cells >= FLUSH_CELLS:
-                    _commit_batch(con, bufs, file_id, path, index, touched)
+                    _commit_batch(con, bufs, file_id, path, index, touched, summary)
                     con.begin()
         except UnsupportedVersion as e:
             reader.error = str(e)
-        _flush(bufs)
+        _flush(bufs, file_id, summary)
         for flag, reason in ((reader.error, "corrupt_file"), (reader.torn_tail, "torn_record")):
             if flag:
                 detail = reader.error if reason == "corrupt_file" else "last record cut short (kill -9 mid-write)"
@@ -245,18 +249,44 @@ def _buffers(con) -> dict[str, store.Buffer]:
     }
 
 
-def _flush(bufs: dict[str, store.Buffer]) -> None:
-    for b in bufs.values():
-        b.flush()
+def _flush(bufs: dict[str, store.Buffer], file_id: str, summary: Summary) -> None:
+    """Insert every buffer, `skipped` last: the rows Arrow refused (a value no check foresaw) go there too."""
+    for name, b in bufs.items():
+        if name != "skipped":
+            b.flush()
+        for row, error in b.rejected:
+            _skip(bufs, summary, file_id, row.get("call_id"), "insert_failed", error)
+        b.rejected.clear()
+    bufs["skipped"].flush()
 
 
-def _commit_batch(con, bufs: dict[str, store.Buffer], file_id: str, path: Path, index: int, touched: set) -> None:
+def _skip(bufs: dict[str, store.Buffer], summary: Summary, file_id: str, record_id: Any, reason: str, detail: str) -> None:
+    record_id = None if record_id is None else str(record_id)[:100]
+    bufs["skipped"].add(file_id=file_id, record_id=record_id, reason=reason, detail=detail[:500])
+    summary.skipped[reason] += 1
+
+
+def _skip_failed(rec, error: Exception, mark: dict[str, int], file_id: str, bufs: dict[str, store.Buffer],
+                 prefixes: PrefixSplitter, summary: Summary) -> None:
+    """Skip a record that raised half-way as `malformed_record`, dropping what it had buffered (so its call
+    rows, token rows and images go together) and its call from the prefix splitter (no later prompt is
+    stored as a suffix of a call that is not stored). Conversation messages stay: they are shared by
+    content, and later calls refer to them."""
+    for name, n in mark.items():
+        if name != "call_messages":
+            bufs[name].truncate(n)
+    prefixes.forget(str(rec.get("id")))
+    _skip(bufs, summary, file_id, rec.get("id"), "malformed_record", f"{type(error).__name__}: {error}")
+
+
+def _commit_batch(con, bufs: dict[str, store.Buffer], file_id: str, path: Path, index: int, touched: set,
+                  summary: Summary) -> None:
     """Commit a batch in the middle of a file: a transaction per batch, not per file, keeps memory flat.
 
     The file is marked read up to `index` records (n_bytes -1: never equal to a size), so a run that dies
     later resumes after them; the touched episodes lose their `episodes` row, so that run rebuilds them.
     """
-    _flush(bufs)
+    _flush(bufs, file_id, summary)
     _mark_read(con, file_id, path, index, -1, False)
     con.register("_touched", pa.table({"episode_id": list(touched)}))
     con.execute("DELETE FROM episodes WHERE episode_id IN (SELECT episode_id FROM _touched)")
@@ -292,6 +322,7 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         summary.rewards += 1
         return
     if rec.get("type") != "exchange":
+        _skip(bufs, summary, file_id, rec.get("id"), "unknown_record_type", f"record type {rec.get('type')!r}")
         return
     try:
         call = parse_record(rec)

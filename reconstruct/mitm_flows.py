@@ -70,6 +70,8 @@ class MitmFile:
                     yield {**_record(flow), "seq": self.n_records}
             except FlowReadException as e:
                 self.error = f"mitmproxy flow file unreadable: {e}"
+            except Exception as e:  # noqa: BLE001 - a corrupt flow fails in many ways; the file stops there
+                self.error = f"mitmproxy flow file unreadable: {type(e).__name__}: {e}"
         if not self.file_id and self.error is None:
             self.error = "no flows in mitmproxy file"
 

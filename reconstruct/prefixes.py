@@ -68,6 +68,14 @@ class PrefixSplitter:
             self._cells -= _cells(old)
         return prefix_id, k, ids[k:]
 
+    def forget(self, call_id: str) -> None:
+        """Drop the episode whose latest call is `call_id` (a call not stored after all): its next prompt is
+        then stored whole, not as a suffix of a call that is not there."""
+        for episode, last in self._last.items():
+            if last.call_id == call_id:
+                self._cells -= _cells(self._last.pop(episode))
+                return
+
 
 def _cells(last: _Last) -> int:
     """Memory held for an episode, in int32-sized cells."""

@@ -125,6 +125,8 @@ def _ids(ids: Any) -> list[int] | RawIds | None:
 
 def parse_record(rec: dict[str, Any]) -> Call:
     """Canonicalise an exchange record, or raise Skip."""
+    if not isinstance(rec.get("id"), str) or not rec["id"]:
+        raise Skip("malformed_record", f"record id {rec.get('id')!r} is not a string")  # calls are keyed by it
     protocol = rec.get("protocol")
     if protocol not in LLM_PROTOCOLS:
         raise Skip("not_llm_call", f"protocol {protocol!r}")
@@ -156,10 +158,17 @@ def parse_record(rec: dict[str, Any]) -> Call:
 
 
 def _response_bytes(response: dict[str, Any]) -> bytes:
+    """The answer's bytes: the body, or the SSE chunks joined (`bytes(n)` of a number would allocate n bytes)."""
     chunks = response.get("chunks")
     if chunks is not None:
-        return b"".join(bytes(c[1]) for c in chunks)
-    return bytes(response.get("body") or b"")
+        if not isinstance(chunks, list) or not all(isinstance(c, list) and len(c) == 2 and isinstance(c[1], bytes)
+                                                   for c in chunks):
+            raise Skip("malformed_record", "response.chunks is not a list of [time, bytes] pairs")
+        return b"".join(c[1] for c in chunks)
+    body = response.get("body") or b""
+    if not isinstance(body, bytes):
+        raise Skip("malformed_record", f"response.body is {type(body).__name__}, not bytes")
+    return body
 
 
 def _loads(data: Any) -> Any:

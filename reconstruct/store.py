@@ -33,7 +33,8 @@ _U8_LIST = pa.list_(pa.uint8())
 _F32_LIST = pa.list_(pa.float32())
 _STR_LIST = pa.list_(pa.string())
 
-# Arrow types for the columns that are not plain scalars (scalars are inferred).
+# Arrow types of the columns that are not plain scalars, and of the scalars a record sets (checked by
+# `Buffer.add`, so one wrong-typed value skips its record instead of failing a batch); others are inferred.
 COLUMN_TYPES: dict[str, pa.DataType] = {
     "input_ids": _I32_LIST,
     "loss_mask": _U8_LIST,
@@ -52,7 +53,16 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "t_first_byte": pa.float64(),
     "t_end": pa.float64(),
     "seq": pa.int64(),
+    "record_id": pa.string(),
+    "role": pa.string(),
+    "toolchain": pa.string(),
+    "model": pa.string(),
+    "finish_reason": pa.string(),
+    "task_id": pa.string(),
+    "mime": pa.string(),
+    "data": pa.binary(),
 }
+_INT_BITS = {pa.int32(): 32, pa.int64(): 64}
 
 
 def schema_sql() -> str:
@@ -95,11 +105,48 @@ def _column(values: list[Any], typ: pa.DataType | None) -> pa.Array:
     return pa.array(values, type=typ)
 
 
+class BadValue(ValueError):
+    """A value that does not fit its column's type."""
+
+
+def check(column: str, value: Any) -> Any:
+    """`value` as its column stores it (an int as a float for a DOUBLE), or BadValue.
+
+    Python-side on purpose: a value DuckDB refuses inside a transaction aborts the whole transaction.
+    """
+    typ = COLUMN_TYPES.get(column)
+    if value is None or typ is None or pa.types.is_list(typ):
+        return value
+    if pa.types.is_string(typ):
+        ok = isinstance(value, str)
+    elif pa.types.is_binary(typ):
+        ok = isinstance(value, bytes)
+    elif pa.types.is_floating(typ):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _fits_double(value)
+        value = float(value) if ok else value
+    else:
+        bits = _INT_BITS[typ]
+        ok = isinstance(value, int) and not isinstance(value, bool) and -(2 ** (bits - 1)) <= value < 2 ** (bits - 1)
+    if not ok:
+        raise BadValue(f"{column}: {type(value).__name__} {str(value)[:60]!r} is not {typ}")
+    return value
+
+
+def _fits_double(value: int | float) -> bool:
+    """NaN and infinities are stored as they are; an int beyond the double range is not."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
 class Buffer:
     """Rows for one table, flushed as a single Arrow batch (`INSERT ... SELECT` from the batch).
 
     `cells` counts the numeric list elements held, so callers can flush by volume (bounded memory
-    whatever the prompt length), not only by row count.
+    whatever the prompt length), not only by row count. Rows whose values Arrow cannot convert are left
+    out of the batch and kept in `rejected` with the error, for the caller to report.
     """
 
     def __init__(
@@ -114,35 +161,72 @@ class Buffer:
         self.keys: set[Any] = set()
         self.n = 0
         self.cells = 0
+        self.rejected: list[tuple[dict[str, Any], str]] = []
 
     def add(self, **row: Any) -> None:
+        """Buffer one row; BadValue (nothing buffered) when a value does not fit its column."""
+        values = {c: check(c, row.get(c)) for c in self.columns}
         if self.key is not None:
-            if row.get(self.key) in self.keys:
+            if values[self.key] in self.keys:
                 return
-            self.keys.add(row.get(self.key))
-        for c in self.columns:
-            v = row.get(c)
+            self.keys.add(values[self.key])
+        for c, v in values.items():
             self.rows[c].append(v)
             if isinstance(v, np.ndarray):
                 self.cells += len(v)
         self.n += 1
 
+    def truncate(self, n: int) -> None:
+        """Drop the rows after the first `n` (those of a record that failed half-way)."""
+        for c, values in self.rows.items():
+            for v in values[n:]:
+                if isinstance(v, np.ndarray):
+                    self.cells -= len(v)
+            if self.key is not None and c == self.key:
+                self.keys.difference_update(values[n:])
+            del values[n:]
+        self.n = min(self.n, n)
+
     def flush(self) -> int:
+        """Insert the buffered rows; returns how many were sent (rejected rows not counted)."""
         if not self.n:
             return 0
-        arrays = {c: _column(v, COLUMN_TYPES.get(c)) for c, v in self.rows.items()}
-        self.con.register("_openforge_batch", pa.table(arrays))
-        cols = ", ".join(self.columns)
-        if self.ignore and self.key is not None:
-            self.con.execute(
-                f"INSERT INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch "
-                f"WHERE {self.key} NOT IN (SELECT {self.key} FROM {self.table})"
-            )
-        else:
-            verb = "INSERT OR IGNORE" if self.ignore else "INSERT"
-            self.con.execute(f"{verb} INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch")
-        self.con.unregister("_openforge_batch")
-        n, self.n, self.cells = self.n, 0, 0
+        try:
+            batch = self._batch(self.rows)
+        except Exception:  # noqa: BLE001 - find the rows Arrow refuses, one by one, and send the others
+            good = [i for i in range(self.n) if self._convertible(i)]
+            batch = self._batch({c: [v[i] for i in good] for c, v in self.rows.items()}) if good else None
+        n = 0 if batch is None else batch.num_rows
+        if n:
+            self._insert(batch)
+        self.n, self.cells = 0, 0
         self.keys = set()
         self.rows = {c: [] for c in self.columns}
         return n
+
+    def _batch(self, rows: dict[str, list[Any]]) -> pa.Table:
+        return pa.table({c: _column(v, COLUMN_TYPES.get(c)) for c, v in rows.items()})
+
+    def _convertible(self, i: int) -> bool:
+        row = {c: v[i] for c, v in self.rows.items()}
+        try:
+            self._batch({c: [v] for c, v in row.items()})
+            return True
+        except Exception as e:  # noqa: BLE001 - Arrow raises several classes (ArrowInvalid, TypeError, UnicodeError)
+            self.rejected.append((row, f"{self.table}: {type(e).__name__}: {str(e)[:200]}"))
+            return False
+
+    def _insert(self, batch: pa.Table) -> None:
+        self.con.register("_openforge_batch", batch)
+        try:
+            cols = ", ".join(self.columns)
+            if self.ignore and self.key is not None:
+                self.con.execute(
+                    f"INSERT INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch "
+                    f"WHERE {self.key} NOT IN (SELECT {self.key} FROM {self.table})"
+                )
+            else:
+                verb = "INSERT OR IGNORE" if self.ignore else "INSERT"
+                self.con.execute(f"{verb} INTO {self.table} ({cols}) SELECT {cols} FROM _openforge_batch")
+        finally:
+            self.con.unregister("_openforge_batch")
