@@ -57,6 +57,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "role": pa.string(),
     "toolchain": pa.string(),
     "model": pa.string(),
+    "engine_model": pa.string(),
     "finish_reason": pa.string(),
     "task_id": pa.string(),
     "mime": pa.string(),
