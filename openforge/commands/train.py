@@ -15,7 +15,7 @@ def train(
     db: Path = typer.Option(..., "--db", help="DuckDB file written by `openforge reconstruct`."),
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory to start from."),
     out: Path = typer.Option(..., "--out", help="Output directory: checkpoints/step_N/ and metrics.jsonl."),
-    config: Path = typer.Option(None, "--config", help="TOML file with any TrainConfig field (flat or [train])."),
+    config: Path = typer.Option(None, "--config", help="TOML file with any TrainConfig field (flat or under \\[train])."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
     where: str = typer.Option(None, "--where", help="SQL filter on the samples table, e.g. \"reward > 0\"."),
     objective: str = typer.Option(None, "--objective", help="ppo (GRPO/PPO clipped surrogate) or sft."),
