@@ -43,6 +43,10 @@ def checkpoint_dir(out: str | Path, step: int) -> Path:
 STATE_KEYS = {"step", "position", "optimizer", "scheduler", "rng"}
 
 
+class CheckpointDamaged(Exception):
+    """A checkpoint directory `--resume` cannot continue from."""
+
+
 def latest(out: str | Path, say: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads, with its trainer state; damaged newer ones are reported and skipped.
 
@@ -58,10 +62,6 @@ def latest(out: str | Path, say: Callable[[str], None]) -> tuple[Path, dict[str,
     return None
 
 
-class CheckpointDamaged(Exception):
-    """A checkpoint directory `--resume` cannot continue from."""
-
-
 def load_state(path: Path) -> dict[str, Any]:
     """trainer_state.pt as tensors and plain values: never unpickles code."""
     try:
@@ -71,19 +71,20 @@ def load_state(path: Path) -> dict[str, Any]:
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError):
         raise CheckpointDamaged("trainer_state.pt does not load as tensors and plain values "
                                 "(damaged, or it holds pickled objects)") from None
-    if not isinstance(state, dict) or not STATE_KEYS <= state.keys():
-        raise CheckpointDamaged(f"trainer_state.pt lacks {', '.join(sorted(STATE_KEYS - set(state or ())))}")
+    missing = STATE_KEYS - set(state) if isinstance(state, dict) else STATE_KEYS
+    if missing:
+        raise CheckpointDamaged(f"trainer_state.pt lacks {', '.join(sorted(missing))}")
     return state
 
 
 def check_weights(path: Path) -> None:
     """config.json and every safetensors file of the weights present, their headers matching their sizes."""
-    index = path / "model.safetensors.index.json"
+    if not (path / "config.json").is_file():
+        raise CheckpointDamaged("no config.json")
+    index = path / "model.safetensors.index.json"  # save_pretrained shards large models
     try:
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
             else ["model.safetensors"]
-        if not (path / "config.json").is_file():
-            raise CheckpointDamaged("no config.json")
         for name in files:
             with safe_open(path / name, "pt"):
                 pass

@@ -98,39 +98,44 @@ class SampleSource:
                 f"(--where 'n_tokens <= {row_tokens}')."
             )
         rebuild = "Re-run `openforge reconstruct`, or leave them out with --where."
-        self.refuse(n, "len(loss_mask) <> len(input_ids) OR len(behaviour_logprobs) <> len(input_ids) "
-                    "OR n_tokens <> len(input_ids)",
-                    "have input_ids, loss_mask, behaviour_logprobs or n_tokens of different lengths", rebuild)
-        self.refuse(n, f"list_min(input_ids) < 0 OR list_max(input_ids) >= {vocab_rows}",
-                    f"have token ids outside the model's embedding (0..{vocab_rows - 1})", rebuild)
-        self.refuse(n, "NOT coalesce(list_bool_or(list_transform(loss_mask[2:], lambda m: m <> 0)), false)",
-                    "have no trainable token after the first (nothing predicts the first token)", rebuild)
-        self.refuse(n, "behaviour_logprobs IS NOT NULL AND coalesce(list_bool_or(list_transform("
-                    "list_zip(loss_mask, behaviour_logprobs)[2:], lambda t: t[1] <> 0 AND NOT isfinite(t[2]))), false)",
-                    "have non-finite behaviour_logprobs on trainable tokens", rebuild)
+        checks = [  # (SQL condition a sample must not meet, what is wrong with it, what to do)
+            ("len(loss_mask) <> len(input_ids) OR len(behaviour_logprobs) <> len(input_ids) "
+             "OR n_tokens <> len(input_ids)",
+             "have input_ids, loss_mask, behaviour_logprobs or n_tokens of different lengths", rebuild),
+            (f"list_min(input_ids) < 0 OR list_max(input_ids) >= {vocab_rows}",
+             f"have token ids outside the model's embedding (0..{vocab_rows - 1})", rebuild),
+            ("NOT coalesce(list_bool_or(list_transform(loss_mask[2:], lambda m: m <> 0)), false)",
+             "have no trainable token after the first (nothing predicts the first token)", rebuild),
+            ("behaviour_logprobs IS NOT NULL AND coalesce(list_bool_or(list_transform(list_zip(loss_mask, "
+             "behaviour_logprobs)[2:], lambda t: t[1] <> 0 AND NOT isfinite(t[2]))), false)",
+             "have non-finite behaviour_logprobs on trainable tokens", rebuild),
+        ]
         if needs_advantage:
-            self.refuse(n, "advantage IS NULL", "have no advantage (the ppo objective needs a reward/advantage "
-                        "per sample)", "Leave them out (--where 'advantage IS NOT NULL') or use --objective sft.")
-            self.refuse(n, "NOT isfinite(advantage)", "have a non-finite advantage (a NaN or infinite reward?)",
-                        "Fix the rewards and re-run `openforge reconstruct`, or leave them out with --where.")
+            checks += [
+                ("advantage IS NULL", "have no advantage (the ppo objective needs a reward/advantage per sample)",
+                 "Leave them out (--where 'advantage IS NOT NULL') or use --objective sft."),
+                ("NOT isfinite(advantage)", "have a non-finite advantage (a NaN or infinite reward?)",
+                 "Fix the rewards and re-run `openforge reconstruct`, or leave them out with --where."),
+            ]
         if needs_weight:
-            self.refuse(n, "NOT isfinite(weight) OR weight <= 0", "have a weight that is not a positive number",
-                        rebuild)
+            checks.append(("NOT isfinite(weight) OR weight <= 0", "have a weight that is not a positive number",
+                           rebuild))
         if needs_logprobs:
-            self.refuse(n, "behaviour_logprobs IS NULL", "have no behaviour_logprobs (old_policy = engine uses "
-                        "them as the old policy)", "Use old_policy = recompute (the default), leave them out "
-                        "(--where 'behaviour_logprobs IS NOT NULL') or use --objective sft.")
+            checks.append(("behaviour_logprobs IS NULL",
+                           "have no behaviour_logprobs (old_policy = engine uses them as the old policy)",
+                           "Use old_policy = recompute (the default), leave them out "
+                           "(--where 'behaviour_logprobs IS NOT NULL') or use --objective sft."))
+        counts = self.scalar(  # one pass over the selection for all checks
+            "SELECT " + ", ".join(f"count(*) FILTER ({c})" for c, _, _ in checks) + f" FROM samples WHERE {self.filter}"
+        )
+        for (condition, problem, fix), count in zip(checks, counts):
+            if count:
+                ids = [r[0] for r in self.con.execute(
+                    f"SELECT sample_id FROM samples WHERE {self.filter} AND ({condition}) ORDER BY sample_id LIMIT 5"
+                ).fetchall()]
+                raise DataError(f"{count} of {n} selected samples {problem}: {', '.join(ids)}"
+                                f"{' ...' if count > 5 else ''}. {fix}")
         return n
-
-    def refuse(self, n: int, condition: str, problem: str, fix: str) -> None:
-        """DataError naming the first selected samples that meet `condition` (SQL), if any do."""
-        (count,) = self.scalar(f"SELECT count(*) FROM samples WHERE {self.filter} AND ({condition})")
-        if count:
-            ids = [r[0] for r in self.con.execute(
-                f"SELECT sample_id FROM samples WHERE {self.filter} AND ({condition}) ORDER BY sample_id LIMIT 5"
-            ).fetchall()]
-            raise DataError(f"{count} of {n} selected samples {problem}: {', '.join(ids)}"
-                            f"{' ...' if count > 5 else ''}. {fix}")
 
     def vocab_sizes(self) -> list[tuple[int, str]]:
         return self.con.execute(

@@ -73,7 +73,8 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
         say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
     ckpt, state = found or (None, None)
     model_dir = str(ckpt or cfg.model)
-    ppo, recompute = cfg.objective == "ppo", cfg.objective == "ppo" and cfg.old_policy == "recompute"
+    ppo = cfg.objective == "ppo"
+    recompute = ppo and cfg.old_policy == "recompute"  # the trainer computes pi_old itself at each step
     n_samples = source.check(cfg.row_tokens, check_vocab(model_dir, source.vocab_sizes()),
                              needs_logprobs=ppo and not recompute, needs_advantage=ppo,
                              needs_weight=cfg.aggregation == "episode-mean")
