@@ -136,7 +136,7 @@ def test_engine_paths_outside_the_llm_endpoints_are_refused(proxy: Any, engine: 
     r = httpx.post(proxy.url + path, json={"lora_name": "x"}, headers=bearer(CLIENT_TOKEN))
     assert r.status_code == 403 and "openforge_allow_paths" in r.json()["error"]["message"], r.text
     assert len(engine.requests) == seen
-    (rec,) = [r for r in records(proxy, CLIENT_TOKEN) if r["protocol"] == "other"
+    (rec,) = [r for r in records(proxy, CLIENT_TOKEN) if r.get("protocol") == "other"
               and r["client_request"]["url"].endswith(path)]
     assert rec["response"]["status"] == 403 and rec["upstream_request"] is None and rec["error"]
 

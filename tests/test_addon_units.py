@@ -60,8 +60,8 @@ def test_classify_and_prefixes() -> None:
     assert wire.classify("POST", "/v1/messages/count_tokens")[0] == "anthropic_count_tokens"
     assert wire.classify("GET", "/v1/models")[0] == "models"
     assert wire.classify("GET", "/v1/chat/completions") is None and wire.classify("POST", "/health") is None
-    assert wire.strip_prefixes("/e/ep%201/r/vl/v1/messages") == ("/v1/messages", "ep 1", "vl")
-    assert wire.strip_prefixes("/r/a/e/b/v1/x") == ("/v1/x", "b", "a")
+    assert wire.strip_prefixes("/e/ep%201/r/vl/v1/messages") == ("/v1/messages", wire.Prefixes("ep 1", "vl"))
+    assert wire.strip_prefixes("/r/a/k/tok%2Fen/e/b/v1/x") == ("/v1/x", wire.Prefixes("b", "a", "tok/en"))
 
 
 def test_mask_and_toolchain() -> None:
