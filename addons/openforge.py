@@ -73,18 +73,22 @@ class _NoStreamingLine(logging.Filter):
 
 
 class _ErrorPages:
-    """Replaces mitmproxy's text/html error page, for the flow whose `error` hook just ran, with an error
+    """Replaces mitmproxy's text/html error page, for a flow whose `error` hook armed one, with an error
     object of the client's protocol.
 
     mitmproxy 11 and 12 send their own page after the `error` hook whatever the hook sets (letting
-    `flow.response` override it is mitmproxy PR #7999, unmerged). The page is made by `_http1.make_error_response`
-    synchronously right after the hook returns, with no other flow's code in between: the page armed in
-    the hook is taken by the next call, and dropped at the next event-loop pass if none came (the client
-    had gone). HTTP/2 clients still get mitmproxy's page (its HTTP/2 layer builds the page inline).
+    `flow.response` override it is mitmproxy PR #7999, unmerged). `_http1.make_error_response(status, message)`
+    builds that page from the very string the flow's `error.msg` holds, so an armed page is matched by that
+    string's identity (oldest first when mitmproxy reuses one message for several flows). mitmproxy 12 runs
+    the rest of the hook's event on a later pass of the event loop, so a page waits up to `PAGE_TTL` s; one
+    never asked for (the client had gone) is dropped then. HTTP/2 clients still get mitmproxy's page (its
+    HTTP/2 layer builds it inline).
     """
 
+    PAGE_TTL = 5.0
+
     def __init__(self) -> None:
-        self._page: bytes | None = None
+        self._pages: list[tuple[str, bytes, float]] = []  # (flow.error.msg, page, deadline)
         self._original: Callable[..., bytes] | None = None
 
     def install(self) -> None:
@@ -97,20 +101,16 @@ class _ErrorPages:
             _http1.make_error_response = self._original
         self._original = None
 
-    def arm(self, response: http.Response) -> None:
-        try:
-            asyncio.get_running_loop().call_soon(self._disarm)
-        except RuntimeError:  # no event loop (hooks called directly): no page will be asked for
-            return
-        self._page = http1.assemble_response(response)
-
-    def _disarm(self) -> None:
-        self._page = None
+    def arm(self, message: str, response: http.Response) -> None:
+        now = time.monotonic()
+        self._pages = [p for p in self._pages if p[2] > now]
+        self._pages.append((message, http1.assemble_response(response), now + self.PAGE_TTL))
 
     def make(self, status_code: int, message: str = "") -> bytes:
-        page, self._page = self._page, None
-        if page is not None:
-            return page
+        for i, (armed, page, _) in enumerate(self._pages):
+            if armed is message:
+                del self._pages[i]
+                return page
         assert self._original is not None
         return self._original(status_code, message)
 
@@ -334,7 +334,9 @@ class OpenForge:
         s = self.settings
         upstream = s.upstream_display if s is not None else "engine"
         page = self._error_response(ex, 502, f"OpenForge: upstream {upstream} failed: {ex.error}", "upstream_error")
-        self._error_pages.arm(page)
+        page.headers["connection"] = "close"  # mitmproxy closes the client's connection after its error page
+        if flow.error is not None:
+            self._error_pages.arm(flow.error.msg, page)
         self._write(ex, ResponseParts(page.status_code, page.headers.fields, page.raw_content), complete=False)
         self._log(flow, ex, page.status_code)
 
