@@ -191,7 +191,8 @@ class OpenForge:
         key = wire.mask(new.upstream_key) if new.upstream_key else "none"
         logger.info(f"OpenForge {self.instance}: upstream {new.upstream_display} (key {key}), "
                     f"profile {new.engine_profile}, translate {new.translate}, flows -> {new.flow_dir}")
-        logger.info(f"OpenForge routes (role -> engine model, forced sampling): {options.describe_routes(new.routes)}")
+        logger.info(f"OpenForge routes (role -> engine model, forced sampling): "
+                    f"{wire.printable(options.describe_routes(new.routes))}")
         allowed = ",".join(new.allow_paths) or "none"
         logger.info(f"OpenForge access: {len(new.client_tokens)} client token(s), {len(new.reward_tokens)} reward "
                     f"token(s), reward policy {new.reward_policy}, other engine paths allowed: {allowed}")
@@ -256,7 +257,10 @@ class OpenForge:
             return
         s = self.settings
         if s is None:
-            flow.response = http.Response.make(503, b"OpenForge proxy is not configured (see its log)\n")
+            protocol = wire.protocol_of(flow.request.path.partition("?")[0]) or "other"
+            flow.response = http.Response.make(
+                503, wire.error_body(protocol, 503, "OpenForge proxy is not configured (see its log)", "not_configured"),
+                {"content-type": "application/json"})
             return
         ex: Exchange | None = None
         protocol = "chat"
@@ -371,9 +375,8 @@ class OpenForge:
                 return None
             ex = self._new(flow, "other", path) if s.record_other else None
             if vendor and s.block_other:
-                flow.response = http.Response.make(
-                    403, b'{"error": "blocked by OpenForge (openforge_block_other)"}',
-                    {"content-type": "application/json"})
+                flow.response = self._error_response(None, 403, "blocked by OpenForge (openforge_block_other)",
+                                                     "permission_error")
                 if ex is not None:
                     self._write(ex, self._response_parts(flow, raw=flow.response.raw_content), complete=True)
                 return None
@@ -403,6 +406,7 @@ class OpenForge:
         ex = self._new(flow, kind[0] if kind else "other", path)
         self._describe(flow, ex, prefixes, s)
         self._answer(flow, ex, status, message, error_kind)
+        _mask_request(flow.request)
 
     def _new(self, flow: http.HTTPFlow, protocol: str, path: str) -> Exchange:
         req = flow.request
@@ -820,6 +824,13 @@ def _set_body(message: http.Message, data: bytes) -> None:
                                        for (k, v), n in zip(fields, names))
         if b"content-length" not in names:
             message.headers.fields += ((b"content-length", length),)
+
+
+def _mask_request(req: http.Request) -> None:
+    """Mask the credentials of a request that stays here, so mitmproxy's own flow output shows none."""
+    req.path = wire.masked_url(req.path)
+    req.headers.fields = tuple((k, wire.mask(v.decode("utf-8", "surrogateescape")).encode())
+                               if wire.is_secret_header(k) else (k, v) for k, v in req.headers.fields)
 
 
 def _upstream_path(s: options.Settings, path: str, query: str) -> str:
