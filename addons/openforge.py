@@ -350,11 +350,12 @@ class OpenForge:
         it at the engine. Requests the proxy refuses are answered and recorded here."""
         req = flow.request
         path, _, query = req.path.partition("?")
-        if path.startswith(wire.REWARD_PREFIX):
-            self._reward(flow, path, s)
-            return None
-        if path == wire.STATUS_PATH:
-            self._status(flow, s)
+        if path.startswith(wire.REWARD_PREFIX) or path == wire.STATUS_PATH:
+            if path == wire.STATUS_PATH:
+                self._status(flow, s)
+            else:
+                self._reward(flow, path, s)
+            _mask_request(req)  # the verifier's or the probe's token
             return None
         direct = self._is_direct(flow)
         vendor = not direct and req.pretty_host.lower() in s.vendor_hosts

@@ -217,3 +217,20 @@ def test_upstream_key_with_a_trailing_newline_stops_the_proxy(start_proxy: Any) 
     assert p.proc.wait(60) != 0
     assert "OpenForge cannot start: openforge_upstream_key ends with a newline" in p.log()
     assert UPSTREAM_KEY not in p.log()
+
+
+def test_tokens_never_reach_mitmproxys_own_flow_output(engine: Any, start_proxy: Any) -> None:
+    """flow_detail=3 prints every request's URL and headers: tokens presented, right or wrong, show masked."""
+    wrong = "of-wrong-TOKEN-fedcba9876543210"
+    p = start_proxy(engine.url, f"openforge_upstream_key={UPSTREAM_KEY}", "openforge_engine_profile=vllm",
+                    "flow_detail=3", env={"OPENFORGE_CLIENT_TOKENS": CLIENT_TOKEN, "OPENFORGE_REWARD_TOKENS": REWARD_TOKEN})
+    assert httpx.post(f"{p.url}/k/{CLIENT_TOKEN}/v1/chat/completions", json=CHAT).status_code == 200
+    assert httpx.post(f"{p.url}/k/{wrong}/v1/chat/completions?key={wrong}", json=CHAT,
+                      headers={"x-goog-api-key": wrong}).status_code == 401
+    assert httpx.post(f"{p.url}/openforge/v1/episodes/e/reward", json={"reward": 1.0},
+                      headers=bearer(REWARD_TOKEN)).status_code == 200
+    records(p, CLIENT_TOKEN)
+    log = p.log()
+    assert "/k/of-c…cdef/" in log or "/k/of-w…3210/" in log  # the lines are there, masked
+    for secret in (CLIENT_TOKEN, REWARD_TOKEN, wrong, UPSTREAM_KEY):
+        assert secret[4:-4] not in log, secret
