@@ -189,11 +189,11 @@ class OpenForge:
             self._upstream_ok_at = float("-inf")
         self.settings = new
         key = wire.mask(new.upstream_key) if new.upstream_key else "none"
-        logger.info(f"OpenForge {self.instance}: upstream {new.upstream_display} (key {key}), "
-                    f"profile {new.engine_profile}, translate {new.translate}, flows -> {new.flow_dir}")
+        logger.info(wire.printable(f"OpenForge {self.instance}: upstream {new.upstream_display} (key {key}), "
+                                   f"profile {new.engine_profile}, translate {new.translate}, flows -> {new.flow_dir}"))
         logger.info(f"OpenForge routes (role -> engine model, forced sampling): "
                     f"{wire.printable(options.describe_routes(new.routes))}")
-        allowed = ",".join(new.allow_paths) or "none"
+        allowed = wire.printable(",".join(new.allow_paths)) or "none"
         logger.info(f"OpenForge access: {len(new.client_tokens)} client token(s), {len(new.reward_tokens)} reward "
                     f"token(s), reward policy {new.reward_policy}, other engine paths allowed: {allowed}")
         self._warned_roles.clear()

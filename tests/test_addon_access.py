@@ -105,6 +105,7 @@ def test_no_token_or_an_unknown_one_is_refused_in_the_clients_protocol(proxy: An
 @pytest.mark.parametrize(("path", "headers"), [
     ("/e/tok-bearer/v1/chat/completions", bearer(CLIENT_TOKEN)),
     ("/e/tok-xkey/v1/chat/completions", {"x-api-key": CLIENT_TOKEN}),
+    ("/e/tok-azure/v1/chat/completions", {"api-key": CLIENT_TOKEN}),
     (f"/k/{CLIENT_TOKEN}/e/tok-path/v1/chat/completions", {}),
 ])
 def test_a_client_token_is_swapped_for_the_upstream_key(proxy: Any, engine: Any, path: str,
