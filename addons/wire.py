@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import json
 import re
 from collections.abc import Iterable
@@ -99,11 +98,22 @@ def strip_prefixes(path: str) -> tuple[str, Prefixes]:
     return path, found
 
 
-@functools.lru_cache(maxsize=1024)
+_SECRET_NAMES: dict[bytes, bool] = {}  # header name -> is_secret_header, cached: checked per header per call
+
+
 def is_secret_header(name: bytes) -> bool:
     """Whether a (raw) header name carries a credential."""
-    n = name.decode("latin-1").lower()
-    return n in SECRET_HEADERS or n.endswith(_SECRET_SUFFIXES)
+    secret = _SECRET_NAMES.get(name)
+    if secret is None:
+        n = name.decode("latin-1").lower()
+        secret = n in SECRET_HEADERS or n.endswith(_SECRET_SUFFIXES)
+        if len(_SECRET_NAMES) < 4096:  # clients choose header names: bound what is kept
+            _SECRET_NAMES[name] = secret
+    return secret
+
+
+_PATH_TOKEN = re.compile(r"(?<=/k/)[^/?#]+")
+_MAYBE_SECRET_PARAM = re.compile(r"(?i)key|token|%")  # every name in SECRET_PARAMS has one, or is %-encoded
 
 
 def _is_secret_param(part: str) -> bool:
@@ -112,19 +122,16 @@ def _is_secret_param(part: str) -> bool:
 
 def public_query(query: str) -> str:
     """A query string without its credential parameters (`?key=`, `?api_key=`, ...), the rest unchanged."""
-    if not query:
+    if not _MAYBE_SECRET_PARAM.search(query):
         return query
     return "&".join(part for part in query.split("&") if not _is_secret_param(part))
 
 
-_PATH_TOKEN = re.compile(r"(?<=/k/)[^/?#]+")
-
-
 def masked_url(url: str) -> str:
     """A URL with its `/k/<token>/` prefix and credential query parameters masked, for records and logs."""
-    if "/k/" not in url and "?" not in url:
-        return url
     base, sep, query = url.partition("?")
+    if "/k/" not in base and not _MAYBE_SECRET_PARAM.search(query):  # the usual case, checked cheaply
+        return url
     base = _PATH_TOKEN.sub(lambda m: mask(unquote(m.group())), base)
     if sep:
         query = "&".join(f"{part.partition('=')[0]}={mask(unquote_plus(part.partition('=')[2]))}"
