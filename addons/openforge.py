@@ -135,7 +135,7 @@ class OpenForge:
         self._call_lines = True
         self._log_filter = _NoStreamingLine()
         self._error_pages = _ErrorPages()
-        self._rewarded: set[str] = set()  # episodes with a reward from this proxy (openforge_reward_policy)
+        self._rewarded: set[str] = set()  # episodes rewarded here under openforge_reward_policy=first
         self._warned_roles: set[str] = set()
 
     # -- options -------------------------------------------------------------------------------------------
@@ -525,7 +525,8 @@ class OpenForge:
                 logger.warning(f"OpenForge: reward refused ({e.status}) episode={wire.printable(episode[:MAX_ID_CHARS])}: "
                                f"{wire.printable(e.message)}")
         else:
-            self._rewarded.add(episode)
+            if s.reward_policy == "first":
+                self._rewarded.add(episode)
             self._write_record(record)
             status, answer = 200, {"ok": True, "id": record["id"], "episode": episode}
             logger.info(f"reward episode={wire.printable(episode)} reward={record['reward']:g}")
