@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -205,8 +204,7 @@ def test_control_characters_are_escaped_in_the_log(open_proxy: Any) -> None:
     r = httpx.post(f"{open_proxy.url}/e/ep%0A[00:00:00.000]%20FORGED%1B[31m/v1/chat/completions",
                    json={"model": "m\nFORGED-LINE \x1b[2J", "messages": MESSAGES})
     assert r.status_code == 200
-    records(open_proxy)
-    time.sleep(0.2)
+    records(open_proxy)  # the call's line is written and flushed with its record
     log = open_proxy.log()
     assert "\x1b" not in log
     assert not [line for line in log.splitlines() if line.startswith(("FORGED", "[00:00:00.000] FORGED"))]
