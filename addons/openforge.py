@@ -45,7 +45,6 @@ UPSTREAM_OK_TTL = 2.0  # seconds a successful upstream answer vouches for reacha
 _KEY_HEADERS = (b"authorization", b"x-api-key")  # where our upstream key sits once the request went upstream
 _SERVER_LOG = logging.getLogger("mitmproxy.proxy.server")
 # Reward posts: values past these are a verifier's bug or an attack, never a training signal.
-REWARD_LIMIT = 1e6
 MAX_REWARD_BODY = 1 << 20
 MAX_METADATA_BYTES = 64 << 10
 MAX_METADATA_DEPTH = 32
@@ -555,8 +554,9 @@ class OpenForge:
                           "invalid_request_error")
         if isinstance(reward, float) and not math.isfinite(reward):
             raise Refused(400, "reward must be a finite number", "invalid_request_error")
-        if not -REWARD_LIMIT <= reward <= REWARD_LIMIT:
-            raise Refused(400, f"reward must be between {-REWARD_LIMIT:g} and {REWARD_LIMIT:g}", "invalid_request_error")
+        if not -flowfile.MAX_ABS_REWARD <= reward <= flowfile.MAX_ABS_REWARD:
+            limit = flowfile.MAX_ABS_REWARD
+            raise Refused(400, f"reward must be between {-limit:g} and {limit:g}", "invalid_request_error")
         task_id = body.get("task_id")
         if task_id is not None and len(str(task_id)) > MAX_ID_CHARS:
             raise Refused(400, f"task_id must be at most {MAX_ID_CHARS} characters", "invalid_request_error")

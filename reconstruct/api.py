@@ -242,7 +242,7 @@ def _buffers(con) -> dict[str, store.Buffer]:
         "calls": store.Buffer(con, "calls", CALL_COLUMNS, ignore_conflicts=True, key="call_id"),
         "call_tokens": store.Buffer(con, "call_tokens", TOKEN_COLUMNS, ignore_conflicts=True, key="call_id"),
         "skipped": store.Buffer(con, "skipped", ["file_id", "record_id", "reason", "detail"]),
-        "rewards": store.Buffer(con, "rewards", ["episode_id", "reward", "task_id", "source", "metadata"]),
+        "rewards": store.Buffer(con, "rewards", ["episode_id", "reward", "task_id", "source", "metadata", "policy"]),
         "images": store.Buffer(con, "images", ["sha256", "mime", "data"], ignore_conflicts=True),
         "call_messages": store.Buffer(con, "call_messages", ["hash", "message"], ignore_conflicts=True),
         "call_images": store.Buffer(con, "call_images", ["call_id", "sha256"]),
@@ -318,6 +318,7 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         bufs["rewards"].add(
             episode_id=episode, reward=reward, task_id=rec.get("task_id"), source=f"flow:{file_id}",
             metadata=json.dumps(meta) if meta is not None else None,
+            policy="first" if rec.get("reward_policy") == "first" else "last",
         )
         summary.rewards += 1
         return

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from addons.flowfile import MAX_ABS_REWARD
+
 ADVANTAGES = ("grpo", "grpo-no-std", "rloo")
 GROUPINGS = ("task", "task-toolchain")
 GRPO_EPS = 1e-4  # as in common GRPO implementations: (r - mean) / (std + eps)
-# Larger magnitudes are a verifier bug, not a score; bounded so group sums and variances stay finite.
-MAX_ABS_REWARD = 1e9
 
 
 class RewardFileError(ValueError):
@@ -93,12 +93,15 @@ def _json_line(line: str) -> Any:
         return BadReward(f"not JSON ({e})")
 
 
-# One reward per episode: a rewards file beats reward records, and the latest row wins within a kind.
+# One reward per episode: a rewards file beats reward records; among reward records, the earliest of those the
+# proxy accepted under `openforge_reward_policy=first` (a restart or a second proxy can record two), else the
+# latest row wins.
 RESOLVED_REWARDS_SQL = """
 SELECT episode_id, reward, task_id FROM (
     SELECT episode_id, reward, task_id,
            row_number() OVER (PARTITION BY episode_id
-                              ORDER BY (source LIKE 'file:%') DESC, rowid DESC) AS rank
+                              ORDER BY (source LIKE 'file:%') DESC, (policy = 'first') DESC NULLS LAST,
+                                       CASE WHEN policy = 'first' THEN rowid END, rowid DESC) AS rank
     FROM rewards)
 WHERE rank = 1
 """

@@ -97,7 +97,8 @@ CREATE TABLE IF NOT EXISTS rewards (
     reward     DOUBLE NOT NULL,
     task_id    VARCHAR,
     source     VARCHAR NOT NULL,           -- flow:<file_id> or file:<path>
-    metadata   JSON
+    metadata   JSON,
+    policy     VARCHAR                     -- the proxy's reward policy: first | last (NULL: last)
 );
 
 -- Images in multimodal calls, kept by content hash (VL tokenisation comes later).

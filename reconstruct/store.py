@@ -23,6 +23,7 @@ MIGRATIONS = {
         "ALTER TABLE calls ADD COLUMN IF NOT EXISTS prompt_check VARCHAR",
         "ALTER TABLE samples ADD COLUMN IF NOT EXISTS role VARCHAR",
         "ALTER TABLE samples ADD COLUMN IF NOT EXISTS toolchain VARCHAR",
+        "ALTER TABLE rewards ADD COLUMN IF NOT EXISTS policy VARCHAR",
         "DELETE FROM episodes",
         "UPDATE meta SET value = '3' WHERE key = 'schema_version'",
     ],

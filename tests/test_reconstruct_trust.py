@@ -70,6 +70,22 @@ def test_non_finite_reward_in_rewards_file_is_skipped_not_stored(tmp_path, retok
     assert all(math.isfinite(e["advantage"]) for e in rows(tmp_path, "SELECT advantage FROM episodes"))
 
 
+@pytest.mark.parametrize("policy, kept", [(None, 1.0), ("last", 1.0), ("first", 0.0)])
+def test_the_proxys_reward_policy_decides_which_reward_counts(tmp_path, retok, policy, kept):
+    """A verifier's 0.0, then a later post of 1.0 (the agent itself, from its shell tool): under the proxy's
+    `first` policy the first reward stands even when two rows reached the flow files (a restart)."""
+    f = FlowFactory(tmp_path / "flows", seed=3)
+    f.tool_loop("ep", turns=1)
+    for r in (0.0, 1.0):
+        record = f.reward("ep", r)
+        if policy:
+            record["reward_policy"] = policy
+        f.write(record)
+    f.close()
+    run(tmp_path, retok)
+    assert [e["reward"] for e in rows(tmp_path, "SELECT reward FROM episodes")] == [kept]
+
+
 # ---------------------------------------------------------------- roles
 
 
