@@ -135,7 +135,7 @@ class RequestParts(NamedTuple):
     body: bytes | None
 
     def to_map(self) -> dict[str, Any]:
-        return {"method": self.method, "url": self.url, "headers": wire.masked_fields(self.fields),
+        return {"method": self.method, "url": wire.masked_url(self.url), "headers": wire.masked_fields(self.fields),
                 "body": self.body}
 
 

@@ -19,6 +19,9 @@ import msgpack
 FORMAT_VERSION = 1
 SUFFIX = ".flows"
 MAX_RECORD_BYTES = 1 << 31  # a single exchange may carry a long SSE stream; refuse absurd sizes only
+# A reward record's reward is a finite number within +-MAX_ABS_REWARD: larger is a verifier bug, not a score
+# (the proxy refuses it, reconstruct skips it), and group sums and variances of such rewards stay finite.
+MAX_ABS_REWARD = 1e6
 
 
 def pack(record: dict[str, Any]) -> bytes:

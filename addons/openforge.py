@@ -22,6 +22,7 @@ import asyncio  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import secrets  # noqa: E402
 import time  # noqa: E402
 import weakref  # noqa: E402
@@ -29,9 +30,11 @@ from typing import Any, Callable  # noqa: E402
 from urllib.parse import unquote  # noqa: E402
 
 from mitmproxy import ctx, exceptions, http  # noqa: E402
-from mitmproxy.proxy.mode_specs import ReverseMode  # noqa: E402
+from mitmproxy.net.http import http1  # noqa: E402
+from mitmproxy.proxy.layers.http import _http1  # noqa: E402
+from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode  # noqa: E402
 
-from addons import flowfile, options, profiles, translate, wire  # noqa: E402
+from addons import access, flowfile, options, profiles, translate, wire  # noqa: E402
 from addons.exchange import (  # noqa: E402
     Exchange, RequestParts, ResponseParts, body_has_token_ids, stream_has_token_ids,
 )
@@ -41,6 +44,21 @@ META = "openforge"
 UPSTREAM_OK_TTL = 2.0  # seconds a successful upstream answer vouches for reachability (skips the probe)
 _KEY_HEADERS = (b"authorization", b"x-api-key")  # where our upstream key sits once the request went upstream
 _SERVER_LOG = logging.getLogger("mitmproxy.proxy.server")
+# Reward posts: values past these are a verifier's bug or an attack, never a training signal.
+MAX_REWARD_BODY = 1 << 20
+MAX_METADATA_BYTES = 64 << 10
+MAX_METADATA_DEPTH = 32
+MAX_ID_CHARS = 256  # episode and task ids
+_INT64 = (-(1 << 63), (1 << 64) - 1)  # what msgpack can write
+MAX_WARNED_ROLES = 100
+
+
+class Refused(Exception):
+    """A request the proxy answers itself with an error of the client's protocol (and records)."""
+
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
 
 
 class _NoStreamingLine(logging.Filter):
@@ -51,6 +69,49 @@ class _NoStreamingLine(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (isinstance(record.msg, str) and record.msg.startswith("Streaming response from "))
+
+
+class _ErrorPages:
+    """Replaces mitmproxy's text/html error page, for a flow whose `error` hook armed one, with an error
+    object of the client's protocol.
+
+    mitmproxy 11 and 12 send their own page after the `error` hook whatever the hook sets (letting
+    `flow.response` override it is mitmproxy PR #7999, unmerged). `_http1.make_error_response(status, message)`
+    builds that page from the very string the flow's `error.msg` holds, so an armed page is matched by that
+    string's identity (oldest first when mitmproxy reuses one message for several flows). mitmproxy 12 runs
+    the rest of the hook's event on a later pass of the event loop, so a page waits up to `PAGE_TTL` s; one
+    never asked for (the client had gone) is dropped then. HTTP/2 clients still get mitmproxy's page (its
+    HTTP/2 layer builds it inline).
+    """
+
+    PAGE_TTL = 5.0
+
+    def __init__(self) -> None:
+        self._pages: list[tuple[str, bytes, float]] = []  # (flow.error.msg, page, deadline)
+        self._original: Callable[..., bytes] | None = None
+
+    def install(self) -> None:
+        if self._original is None:
+            self._original = _http1.make_error_response
+            _http1.make_error_response = self.make
+
+    def uninstall(self) -> None:
+        if self._original is not None and _http1.make_error_response == self.make:
+            _http1.make_error_response = self._original
+        self._original = None
+
+    def arm(self, message: str, response: http.Response) -> None:
+        now = time.monotonic()
+        self._pages = [p for p in self._pages if p[2] > now]
+        self._pages.append((message, http1.assemble_response(response), now + self.PAGE_TTL))
+
+    def make(self, status_code: int, message: str = "") -> bytes:
+        for i, (armed, page, _) in enumerate(self._pages):
+            if armed is message:
+                del self._pages[i]
+                return page
+        assert self._original is not None
+        return self._original(status_code, message)
 
 
 class OpenForge:
@@ -72,10 +133,14 @@ class OpenForge:
         self._load_error: str | None = None
         self._call_lines = True
         self._log_filter = _NoStreamingLine()
+        self._error_pages = _ErrorPages()
+        self._rewarded: set[str] = set()  # episodes rewarded here under openforge_reward_policy=first
+        self._warned_roles: set[str] = set()
 
     # -- options -------------------------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
         _SERVER_LOG.addFilter(self._log_filter)
+        self._error_pages.install()
         # A `--set` given twice makes mitmproxy drop this whole script without a word; catch it first.
         deferred = getattr(loader.master.options, "deferred", {})
         for spec in options.SPECS:
@@ -123,27 +188,61 @@ class OpenForge:
             self._upstream_ok_at = float("-inf")
         self.settings = new
         key = wire.mask(new.upstream_key) if new.upstream_key else "none"
-        logger.info(f"OpenForge {self.instance}: upstream {new.upstream_display} (key {key}), "
-                    f"profile {new.engine_profile}, translate {new.translate}, flows -> {new.flow_dir}")
+        logger.info(wire.printable(f"OpenForge {self.instance}: upstream {new.upstream_display} (key {key}), "
+                                   f"profile {new.engine_profile}, translate {new.translate}, flows -> {new.flow_dir}"))
+        logger.info(f"OpenForge routes (role -> engine model, forced sampling): "
+                    f"{wire.printable(options.describe_routes(new.routes))}")
+        allowed = wire.printable(",".join(new.allow_paths)) or "none"
+        logger.info(f"OpenForge access: {len(new.client_tokens)} client token(s), {len(new.reward_tokens)} reward "
+                    f"token(s), reward policy {new.reward_policy}, other engine paths allowed: {allowed}")
+        self._warned_roles.clear()
+        self._check_route(new, new.default_role)
 
     def running(self) -> None:
         self._running = True
         if self.settings is None:
             ctx.master.shutdown()
-        elif self._profile is None:
+            return
+        self._warn_open_listen(self.settings)
+        if self._profile is None:
             self._start_detection(self.settings)
+
+    @staticmethod
+    def _warn_open_listen(s: options.Settings) -> None:
+        """Anyone who reaches an open port can spend the upstream key: say so when nothing checks tokens."""
+        if s.client_tokens:
+            return
+        hosts = {ProxyMode.parse(spec).listen_host(ctx.options.listen_host) for spec in ctx.options.mode}
+        exposed = sorted(h or "every interface" for h in hosts if not access.is_loopback(h))
+        if exposed:
+            logger.warning(f"OpenForge: listening on {', '.join(exposed)} without openforge_client_tokens: anyone "
+                           f"who reaches the port can spend the upstream key, post rewards and read the status; "
+                           f"set client and reward tokens or use --listen-host 127.0.0.1 (docs/addon.md, Security)")
+
+    def _check_route(self, s: options.Settings, role: str) -> None:
+        """Warn once per role whose calls match no route while a routing table is set: they keep their model
+        and get no forced sampling (an RL rollout at the client's temperature)."""
+        if not s.routes or s.route(role) is not None or role in self._warned_roles:
+            return
+        if len(self._warned_roles) < MAX_WARNED_ROLES:
+            self._warned_roles.add(role)
+            logger.warning(f"OpenForge: role {wire.printable(repr(role))} has no route and there is no '*' route: "
+                           f"its calls keep their model and get no forced sampling")
 
     def done(self) -> None:
         """Shutdown: write the answered exchanges, then those still in flight as incomplete; close the file."""
         self._run_after()
         for flow in list(self._inflight.values()):
-            ex: Exchange = flow.metadata[META]
+            ex: Exchange | None = flow.metadata.get(META)
+            if ex is None:
+                continue
             ex.error = ex.error or "proxy shut down while the exchange was in flight"
             self._write(ex, self._response_parts(flow, None, ex) if flow.response else None, complete=False)
         if self.writer is not None:
             self.writer.close()
             self.writer = None  # late error hooks of those flows must not open a new file
         _SERVER_LOG.removeFilter(self._log_filter)
+        self._error_pages.uninstall()
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -157,7 +256,10 @@ class OpenForge:
             return
         s = self.settings
         if s is None:
-            flow.response = http.Response.make(503, b"OpenForge proxy is not configured (see its log)\n")
+            protocol = wire.protocol_of(flow.request.path.partition("?")[0]) or "other"
+            flow.response = http.Response.make(
+                503, wire.error_body(protocol, 503, "OpenForge proxy is not configured (see its log)", "not_configured"),
+                {"content-type": "application/json"})
             return
         ex: Exchange | None = None
         protocol = "chat"
@@ -175,8 +277,11 @@ class OpenForge:
             self._prepare(flow, ex, s)
         except translate.TranslationError as e:
             self._answer(flow, ex, e.status, e.message, "invalid_request_error")
+        except Refused as e:
+            self._answer(flow, ex, e.status, e.message, e.kind)
         except Exception as e:  # noqa: BLE001 - fail closed: answer, never forward half-processed
-            logger.exception(f"OpenForge: cannot process {flow.request.method} {flow.request.path}")
+            logger.exception(f"OpenForge: cannot process {flow.request.method} "
+                             f"{wire.printable(wire.masked_url(flow.request.path))}")
             if ex is None:
                 flow.response = http.Response.make(
                     500, wire.error_body(protocol, 500, f"OpenForge proxy error: {e}", "proxy_error"),
@@ -225,50 +330,83 @@ class OpenForge:
             return
         self._hide_key(flow)
         ex.error = ex.error or (flow.error.msg if flow.error else "unknown error")
-        response = self._response_parts(flow, None, ex) if flow.response is not None else None
-        self._write(ex, response, complete=False)
-        self._log(flow, ex, "ERR")
+        if flow.response is not None and flow.response.stream:  # the client has this answer's head already
+            self._write(ex, self._response_parts(flow, None, ex), complete=False)
+            self._log(flow, ex, "ERR")
+            return
+        s = self.settings
+        upstream = s.upstream_display if s is not None else "engine"
+        page = self._error_response(ex, 502, f"OpenForge: upstream {upstream} failed: {ex.error}", "upstream_error")
+        page.headers["connection"] = "close"  # mitmproxy closes the client's connection after its error page
+        if flow.error is not None:
+            self._error_pages.arm(flow.error.msg, page)
+        self._write(ex, ResponseParts(page.status_code, page.headers.fields, page.raw_content), complete=False)
+        self._log(flow, ex, page.status_code)
 
     # -- request side ----------------------------------------------------------------------------------------
     def _begin(self, flow: http.HTTPFlow, s: options.Settings) -> Exchange | None:
-        """Classify the request; for LLM calls strip the client's credentials and point it at the engine."""
+        """Classify the request and check its token; for LLM calls strip the client's credentials and point
+        it at the engine. Requests the proxy refuses are answered and recorded here."""
         req = flow.request
         path, _, query = req.path.partition("?")
-        if path.startswith(wire.REWARD_PREFIX):
-            self._reward(flow, path)
-            return None
-        if path == wire.STATUS_PATH:
-            self._status(flow, s)
+        if path.startswith(wire.REWARD_PREFIX) or path == wire.STATUS_PATH:
+            if path == wire.STATUS_PATH:
+                self._status(flow, s)
+            else:
+                self._reward(flow, path, s)
+            _mask_request(req)  # the verifier's or the probe's token
             return None
         direct = self._is_direct(flow)
         vendor = not direct and req.pretty_host.lower() in s.vendor_hosts
-        episode = role = None
+        prefixes = wire.Prefixes()
         if direct:
-            path, episode, role = wire.strip_prefixes(path)
+            path, prefixes = wire.strip_prefixes(path)
         kind = wire.classify(req.method, path) if (direct or vendor) else None
+        if s.client_tokens and (direct or kind is not None) and not access.matches(
+                access.presented(req.headers.fields, prefixes.token), s.client_tokens):
+            self._refuse(flow, s, kind, path, prefixes, 401, "OpenForge: missing or unknown API key: present one "
+                         "of the proxy's client tokens as the API key", "invalid_api_key")
+            return None
         if kind is None:
+            if direct and not s.allowed(path):
+                self._refuse(flow, s, None, path, prefixes, 403, f"OpenForge: {path} is not an LLM endpoint; "
+                             f"only paths listed in openforge_allow_paths are forwarded to the engine",
+                             "permission_error")
+                return None
             ex = self._new(flow, "other", path) if s.record_other else None
             if vendor and s.block_other:
-                flow.response = http.Response.make(
-                    403, b'{"error": "blocked by OpenForge (openforge_block_other)"}',
-                    {"content-type": "application/json"})
+                flow.response = self._error_response(None, 403, "blocked by OpenForge (openforge_block_other)",
+                                                     "permission_error")
                 if ex is not None:
                     self._write(ex, self._response_parts(flow, raw=flow.response.raw_content), complete=True)
                 return None
-            if direct:  # the engine's other endpoints (/health, /tokenize, ...): reverse-proxied
-                self._to_upstream(flow, s, s.upstream_prefix + path + (f"?{query}" if query else ""))
+            if direct:  # an engine path of openforge_allow_paths (/health, /tokenize, ...): reverse-proxied
+                self._to_upstream(flow, s, _upstream_path(s, path, query))
             if ex is not None:
                 self._track(flow, ex)
             return ex
         protocol, canonical = kind
         ex = self._new(flow, protocol, path)
-        headers = wire.header_map(req.headers.fields)  # one pass; mitmproxy's get() scans every field per call
-        ex.role = role or headers.get("x-openforge-role") or s.default_role
-        ex.episode, ex.episode_source = self._episode(flow, episode, headers)
-        ex.toolchain = wire.toolchain(headers.get("user-agent"))
+        self._describe(flow, ex, prefixes, s)
+        self._check_route(s, ex.role)
         self._track(flow, ex)
-        self._to_upstream(flow, s, s.upstream_prefix + canonical + (f"?{query}" if query else ""), llm=True)
+        self._to_upstream(flow, s, _upstream_path(s, canonical, query), llm=True)
         return ex
+
+    def _describe(self, flow: http.HTTPFlow, ex: Exchange, prefixes: wire.Prefixes, s: options.Settings) -> None:
+        """Role, episode and toolchain of a call."""
+        headers = wire.header_map(flow.request.headers.fields)  # one pass; mitmproxy's get() scans per call
+        ex.role = prefixes.role or headers.get("x-openforge-role") or s.default_role
+        ex.episode, ex.episode_source = self._episode(flow, prefixes.episode, headers)
+        ex.toolchain = wire.toolchain(headers.get("user-agent"))
+
+    def _refuse(self, flow: http.HTTPFlow, s: options.Settings, kind: tuple[str, str] | None, path: str,
+                prefixes: wire.Prefixes, status: int, message: str, error_kind: str) -> None:
+        """Answer a request that may not go upstream, in its protocol's error shape; record and log it."""
+        ex = self._new(flow, kind[0] if kind else "other", path)
+        self._describe(flow, ex, prefixes, s)
+        self._answer(flow, ex, status, message, error_kind)
+        _mask_request(flow.request)
 
     def _new(self, flow: http.HTTPFlow, protocol: str, path: str) -> Exchange:
         req = flow.request
@@ -310,7 +448,7 @@ class OpenForge:
 
     def _to_upstream(self, flow: http.HTTPFlow, s: options.Settings, path: str, llm: bool = False) -> None:
         """Point the request at the engine. The headers are rewritten in one pass over mitmproxy's raw
-        fields (its `Headers` scan every field per lookup or assignment): the client's credentials dropped,
+        fields (its `Headers` scan every field per lookup or assignment): every credential header dropped,
         Host set, our key added, and for LLM calls `accept-encoding: identity` (we read their answers)."""
         req = flow.request
         req.scheme = s.upstream_scheme
@@ -324,7 +462,7 @@ class OpenForge:
         has_host = False
         for k, v in req.headers.fields:
             name = k.lower()
-            if name in drop:
+            if name in drop or wire.is_secret_header(name):
                 continue
             if name == b"host":
                 v, has_host = host, True
@@ -343,7 +481,7 @@ class OpenForge:
     def _prepare(self, flow: http.HTTPFlow, ex: Exchange, s: options.Settings) -> None:
         """Routing, translation and token-id injection on the body; then freeze what goes upstream."""
         req = flow.request
-        body = _json_object(req.content) if req.method == "POST" else None
+        body = _request_json(req.content) if req.method == "POST" else None
         if body is not None:
             if isinstance(body.get("model"), str):
                 ex.model = body["model"]
@@ -358,8 +496,6 @@ class OpenForge:
                 ex.client_body = body
                 body, engine_protocol = chat, "chat"
                 req.path = s.upstream_prefix + wire.CANONICAL["chat"]
-                if s.upstream_key and "x-api-key" in req.headers:
-                    del req.headers["x-api-key"]
             elif ex.protocol in wire.ANTHROPIC_PROTOCOLS and s.upstream_key:
                 req.headers["x-api-key"] = s.upstream_key
             route = s.route(ex.role)
@@ -376,36 +512,74 @@ class OpenForge:
                 _set_body(req, profiles.encode_json(body).encode())
         ex.upstream_request = RequestParts(req.method, req.url, req.headers.fields, req.raw_content)
 
-    def _reward(self, flow: http.HTTPFlow, path: str) -> None:
+    def _reward(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """POST /openforge/v1/episodes/<episode>/reward: recorded here, never forwarded."""
         episode, _, rest = path[len(wire.REWARD_PREFIX):].partition("/")
         episode = unquote(episode)
-        status, answer = 200, {}
-        body = _json_object(flow.request.content or b"")
-        if rest != "reward" or not episode:
-            status, answer = 404, {"error": "use POST /openforge/v1/episodes/<episode>/reward"}
-        elif flow.request.method != "POST":
-            status, answer = 405, {"error": "use POST"}
-        elif body is None or isinstance(body.get("reward"), bool) or not isinstance(body.get("reward"), (int, float)):
-            status, answer = 400, {"error": 'body must be a JSON object with a numeric "reward"'}
-        elif body.get("metadata") is not None and not isinstance(body.get("metadata"), dict):
-            status, answer = 400, {"error": '"metadata" must be a JSON object'}
+        try:
+            record = self._reward_record(flow, episode, rest, s)
+        except Refused as e:
+            status, answer = e.status, {"error": e.message}
+            if e.status in (401, 403, 409):
+                logger.warning(f"OpenForge: reward refused ({e.status}) episode={wire.printable(episode[:MAX_ID_CHARS])}: "
+                               f"{wire.printable(e.message)}")
         else:
-            seq = next(self._seq)
-            record = {"type": "reward", "id": self._record_id(seq), "proxy": self.instance,
-                      "seq": seq, "t": time.time(), "episode": episode,
-                      "reward": float(body["reward"]),
-                      "task_id": None if body.get("task_id") is None else str(body["task_id"]),
-                      "metadata": body.get("metadata")}
+            if s.reward_policy == "first":
+                self._rewarded.add(episode)
             self._write_record(record)
-            answer = {"ok": True, "id": record["id"], "episode": episode}
-            logger.info(f"reward episode={episode} reward={record['reward']:g}")
-        flow.response = http.Response.make(status, json.dumps(answer).encode(),
-                                           {"content-type": "application/json"})
+            status, answer = 200, {"ok": True, "id": record["id"], "episode": episode}
+            logger.info(f"reward episode={wire.printable(episode)} reward={record['reward']:g}")
+        flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+
+    def _reward_record(self, flow: http.HTTPFlow, episode: str, rest: str, s: options.Settings) -> dict[str, Any]:
+        """The reward record a post makes; `Refused` (in the order a client can fix it) when it makes none."""
+        req = flow.request
+        if rest != "reward" or not episode:
+            raise Refused(404, "use POST /openforge/v1/episodes/<episode>/reward", "not_found")
+        if req.method != "POST":
+            raise Refused(405, "use POST", "method_not_allowed")
+        if s.guarded:
+            given = access.presented(req.headers.fields, None)
+            if not (s.reward_tokens and access.matches(given, s.reward_tokens)):
+                if access.matches(given, s.client_tokens):
+                    raise Refused(403, "posting a reward needs a reward token (openforge_reward_tokens); a client "
+                                  "token is not enough", "permission_error")
+                raise Refused(401, "missing or unknown reward token", "invalid_api_key")
+        if len(episode) > MAX_ID_CHARS or not episode.isprintable():
+            raise Refused(400, f"the episode id must be 1-{MAX_ID_CHARS} printable characters", "invalid_request_error")
+        body = _json_object(req.content) if len(req.content or b"") <= MAX_REWARD_BODY else None
+        reward = body.get("reward") if body is not None else None
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise Refused(400, 'body must be a JSON object (at most 1 MiB) with a numeric "reward"',
+                          "invalid_request_error")
+        if isinstance(reward, float) and not math.isfinite(reward):
+            raise Refused(400, "reward must be a finite number", "invalid_request_error")
+        if not -flowfile.MAX_ABS_REWARD <= reward <= flowfile.MAX_ABS_REWARD:
+            limit = flowfile.MAX_ABS_REWARD
+            raise Refused(400, f"reward must be between {-limit:g} and {limit:g}", "invalid_request_error")
+        task_id = body.get("task_id")
+        if task_id is not None and len(str(task_id)) > MAX_ID_CHARS:
+            raise Refused(400, f"task_id must be at most {MAX_ID_CHARS} characters", "invalid_request_error")
+        metadata = body.get("metadata")
+        if metadata is not None:
+            _check_metadata(metadata)
+        if s.reward_policy == "first" and episode in self._rewarded:
+            raise Refused(409, f"episode {episode!r} already has a reward and openforge_reward_policy is first: "
+                          "this one is not recorded", "conflict")
+        seq = next(self._seq)
+        return {"type": "reward", "id": self._record_id(seq), "proxy": self.instance, "seq": seq, "t": time.time(),
+                "episode": episode, "reward": float(reward), "task_id": None if task_id is None else str(task_id),
+                "metadata": metadata, "reward_policy": s.reward_policy}
 
     def _status(self, flow: http.HTTPFlow, s: options.Settings) -> None:
         """GET /openforge/v1/status: a readiness probe, answered here. Its answer leaves after the records
         of every exchange answered before it arrived (they are written right after their answers)."""
+        if s.guarded and not access.matches(access.presented(flow.request.headers.fields, None),
+                                            s.client_tokens + s.reward_tokens):
+            flow.response = http.Response.make(
+                401, b'{"ok": false, "error": "missing or unknown token (a client or reward token)"}',
+                {"content-type": "application/json"})
+            return
         writer = self.writer
         answer = {"ok": writer is not None, "proxy": self.instance, "started": self.started,
                   "upstream": s.upstream_display, "engine_profile": self._profile,
@@ -518,7 +692,7 @@ class OpenForge:
             return body_has_token_ids(body)
         try:
             obj, cut = (profiles.loads_without_prompt_ids(body) if "return_token_ids" in ex.injected
-                        else (json.loads(body), False))
+                        else (profiles.loads(body), False))
         except ValueError:
             return False
         if not isinstance(obj, dict):
@@ -550,13 +724,19 @@ class OpenForge:
         resp.content = json.dumps(out, ensure_ascii=False).encode()
         resp.headers["content-type"] = "application/json"
 
-    def _answer(self, flow: http.HTTPFlow, ex: Exchange | None, status: int, message: str, kind: str) -> None:
-        """Answer the client from the proxy in its own protocol's error shape, and record it."""
+    @staticmethod
+    def _error_response(ex: Exchange | None, status: int, message: str, kind: str) -> http.Response:
+        """An error answer in the client's own protocol shape (the one it spoke, when translated)."""
         protocol = ex.protocol if ex is not None else "chat"
         if ex is not None and ex.translated is not None:
             protocol = ex.translated["from"]
-        body = wire.error_body(protocol, status, message, kind)
-        flow.response = http.Response.make(status, body, {"content-type": "application/json"})
+        return http.Response.make(status, wire.error_body(protocol, status, message, kind),
+                                  {"content-type": "application/json"})
+
+    def _answer(self, flow: http.HTTPFlow, ex: Exchange | None, status: int, message: str, kind: str) -> None:
+        """Answer the client from the proxy in its own protocol's error shape, and record it."""
+        flow.response = self._error_response(ex, status, message, kind)
+        body = flow.response.raw_content
         if ex is not None:
             flow.metadata.pop(META, None)
             if ex.model is None:  # answered before the body was read (engine down)
@@ -623,9 +803,9 @@ class OpenForge:
         latency = ((ex.t_end or now) - ex.t_start) * 1000
         stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
         try:
-            sys.stdout.write(f"[{stamp}] {flow.request.method} {ex.path} {ex.protocol} model={ex.model}->"
-                             f"{ex.upstream_model} role={ex.role} episode={ex.episode} {req_bytes}B->{resp_bytes}B "
-                             f"{status} {latency:.0f}ms\n")
+            line = (f"{flow.request.method} {ex.path} {ex.protocol} model={ex.model}->{ex.upstream_model} "
+                    f"role={ex.role} episode={ex.episode} {req_bytes}B->{resp_bytes}B {status} {latency:.0f}ms")
+            sys.stdout.write(f"[{stamp}] {wire.printable(line)}\n")
             if flush:
                 sys.stdout.flush()
         except OSError:  # stdout gone (closed pipe): the flow file still has the call
@@ -648,7 +828,21 @@ def _set_body(message: http.Message, data: bytes) -> None:
             message.headers.fields += ((b"content-length", length),)
 
 
-def _json_object(data: bytes | None) -> dict[str, Any] | None:
+def _mask_request(req: http.Request) -> None:
+    """Mask the credentials of a request that stays here, so mitmproxy's own flow output shows none."""
+    req.path = wire.masked_url(req.path)
+    req.headers.fields = tuple((k, wire.mask(v.decode("utf-8", "surrogateescape")).encode())
+                               if wire.is_secret_header(k) else (k, v) for k, v in req.headers.fields)
+
+
+def _upstream_path(s: options.Settings, path: str, query: str) -> str:
+    """The engine's path for a request: under the upstream prefix, credential query parameters removed."""
+    query = wire.public_query(query)
+    return s.upstream_prefix + path + (f"?{query}" if query else "")
+
+
+def _parse_object(data: bytes | None) -> dict[str, Any] | None:
+    """A JSON object, else None; RecursionError when nested too deeply for Python's parser."""
     if not data:
         return None
     try:
@@ -656,6 +850,44 @@ def _json_object(data: bytes | None) -> dict[str, Any] | None:
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def _json_object(data: bytes | None) -> dict[str, Any] | None:
+    """`_parse_object`, with a body nested too deeply read as no object."""
+    try:
+        return _parse_object(data)
+    except RecursionError:
+        return None
+
+
+def _request_json(data: bytes | None) -> dict[str, Any] | None:
+    """`_parse_object` of a client's request, refusing one nested too deeply to parse: forwarded as it is,
+    it would hand the engine what the proxy itself cannot read, and go unrecorded as a call."""
+    try:
+        return _parse_object(data)
+    except RecursionError:
+        raise Refused(400, "OpenForge: the request body is nested too deeply to parse", "invalid_request_error") from None
+
+
+def _check_metadata(metadata: Any) -> None:
+    """Refuse reward metadata that is not a JSON object, too big, too deep, or holds a number a record
+    cannot keep (non-finite, or an integer past 64 bits)."""
+    if not isinstance(metadata, dict):
+        raise Refused(400, '"metadata" must be a JSON object', "invalid_request_error")
+    stack: list[tuple[Any, int]] = [(metadata, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise Refused(400, f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep", "invalid_request_error")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, float) and not math.isfinite(value) or (
+                isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]):
+            raise Refused(400, "metadata numbers must be finite and fit in 64 bits", "invalid_request_error")
+    if len(json.dumps(metadata)) > MAX_METADATA_BYTES:
+        raise Refused(400, f"metadata must be at most {MAX_METADATA_BYTES >> 10} KiB of JSON", "invalid_request_error")
 
 
 def _error_message(obj: dict[str, Any] | None) -> str | None:

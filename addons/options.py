@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from addons import access
+
 PROFILES = ("auto", "vllm", "sglang", "llamacpp", "generic")
+REWARD_POLICIES = ("last", "first")
 TRANSLATE = ("never", "auto", "always")
 DEFAULT_VENDOR_HOSTS = (
     "api.openai.com",
@@ -71,6 +74,18 @@ SPECS = (
                "flushed to the OS as each exchange ends)."),
     OptionSpec("openforge_vendor_hosts", ",".join(DEFAULT_VENDOR_HOSTS), "Comma-separated hosts whose LLM "
                "calls are rewritten to the engine in forward mode (HTTPS_PROXY)."),
+    OptionSpec("openforge_client_tokens", "", "Comma-separated tokens a client must present as its API key "
+               "(Bearer, x-api-key, api-key or a /k/<token>/ path prefix); replaced by the upstream key. "
+               "None: no access check. Default: $OPENFORGE_CLIENT_TOKENS; never logged.", secret=True),
+    OptionSpec("openforge_client_tokens_file", "", "File of client tokens, one per line (a mounted Secret)."),
+    OptionSpec("openforge_reward_tokens", "", "Comma-separated tokens a verifier must present to post rewards "
+               "(required for rewards once any token is set; a client token is not enough). "
+               "Default: $OPENFORGE_REWARD_TOKENS; never logged.", secret=True),
+    OptionSpec("openforge_reward_tokens_file", "", "File of reward tokens, one per line (a mounted Secret)."),
+    OptionSpec("openforge_reward_policy", "last", "Which reward of an episode counts: last (a later post "
+               "replaces it) or first (a later post is refused with 409)."),
+    OptionSpec("openforge_allow_paths", "", "Comma-separated engine paths (fnmatch patterns, e.g. /health,"
+               "/tokenize) forwarded besides the LLM endpoints; every other path is refused with 403."),
 )
 NAMES = frozenset(s.name for s in SPECS)
 
@@ -113,6 +128,19 @@ class Settings:
     flow_max_bytes: int
     fsync_interval: float
     vendor_hosts: frozenset[str]
+    client_tokens: tuple[bytes, ...] = ()
+    reward_tokens: tuple[bytes, ...] = ()
+    reward_policy: str = "last"
+    allow_paths: tuple[str, ...] = ()
+
+    @property
+    def guarded(self) -> bool:
+        """Whether access is checked at all (any token configured)."""
+        return bool(self.client_tokens or self.reward_tokens)
+
+    def allowed(self, path: str) -> bool:
+        """Whether a non-LLM engine path may be forwarded (`openforge_allow_paths`)."""
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.allow_paths)
 
     def route(self, role: str) -> Route | None:
         return self.routes.get(role) or self.routes.get("*")
@@ -156,13 +184,24 @@ def parse(values: dict[str, str]) -> Settings:
     if not role:
         raise BadOption("openforge_default_role must not be empty")
     vendor = frozenset(h.strip().lower() for h in get("openforge_vendor_hosts").split(",") if h.strip())
+    client_tokens = _tokens("openforge_client_tokens", get)
+    reward_tokens = _tokens("openforge_reward_tokens", get)
+    if set(client_tokens) & set(reward_tokens):
+        raise BadOption("a token is both a client and a reward token: the agent would be able to post its own "
+                        "rewards; give the verifier a token of its own")
+    policy = get("openforge_reward_policy").lower()
+    if policy not in REWARD_POLICIES:
+        raise BadOption(f"openforge_reward_policy must be one of {', '.join(REWARD_POLICIES)}, got {policy!r}")
+    allow = tuple(p.strip() for p in get("openforge_allow_paths").split(",") if p.strip())
+    if any(not p.startswith("/") for p in allow):
+        raise BadOption(f"openforge_allow_paths entries must be paths starting with /, got {','.join(allow)!r}")
     return Settings(
         upstream_url=url,
         upstream_scheme=parts.scheme,
         upstream_host=parts.hostname,
         upstream_port=port,
         upstream_prefix=prefix,
-        upstream_key=get("openforge_upstream_key"),
+        upstream_key=_upstream_key(get("openforge_upstream_key")),
         flow_dir=_flow_dir(get("openforge_flow_dir")),
         engine_profile=profile,
         routes=parse_models(get("openforge_models")),
@@ -173,6 +212,10 @@ def parse(values: dict[str, str]) -> Settings:
         flow_max_bytes=int(_number("openforge_flow_max_mb", get("openforge_flow_max_mb"), minimum=1) * (1 << 20)),
         fsync_interval=_number("openforge_fsync_interval", get("openforge_fsync_interval"), minimum=0),
         vendor_hosts=vendor,
+        client_tokens=client_tokens,
+        reward_tokens=reward_tokens,
+        reward_policy=policy,
+        allow_paths=allow,
     )
 
 
@@ -207,6 +250,44 @@ def parse_models(value: str) -> dict[str, Route]:
             raise BadOption(f"{source}: {role}.sampling must be a table of request fields, e.g. temperature")
         routes[str(role)] = Route(dict(models), dict(sampling))
     return routes
+
+
+def _upstream_key(key: str) -> str:
+    """The key as given, refused when it cannot be a header value: the proxy would start and every call fail."""
+    if key != key.strip():
+        raise BadOption("openforge_upstream_key ends with a newline or space (a Kubernetes Secret made with "
+                        "--from-file, or `echo` into a file, adds one): remove it, e.g. `printf %s KEY`")
+    if not key.isprintable():
+        raise BadOption("openforge_upstream_key contains a control character: it cannot be sent as a header")
+    return key
+
+
+def _tokens(name: str, get: Any) -> tuple[bytes, ...]:
+    """Tokens from the option (or its environment variable) and from its `_file` variant, in that order."""
+    try:
+        tokens = access.parse_tokens(name, get(name))
+        path = get(f"{name}_file")
+        if path:
+            try:
+                text = Path(path).expanduser().read_text()
+            except OSError as e:
+                raise BadOption(f"cannot read {name}_file {path!r}: {e.strerror}") from e
+            tokens += access.parse_tokens(f"{name}_file", text)
+    except ValueError as e:
+        raise BadOption(str(e)) from None
+    return tokens
+
+
+def describe_routes(routes: dict[str, Route]) -> str:
+    """The routing table in one line: `agent: claude-*->Qwen/Qwen3-8B sampling temperature=1.0; *: ...`."""
+    if not routes:
+        return "none (every call keeps its model, no sampling forced)"
+    parts = []
+    for role, route in routes.items():
+        models = ", ".join(f"{pattern}->{target}" for pattern, target in route.models.items()) or "models unchanged"
+        sampling = " ".join(f"{k}={json.dumps(v)}" for k, v in route.sampling.items())
+        parts.append(f"{role}: {models}" + (f" sampling {sampling}" if sampling else ""))
+    return "; ".join(parts)
 
 
 def _bool(name: str, value: str) -> bool:

@@ -131,7 +131,16 @@ def loads_without_prompt_ids(data: bytes) -> tuple[Any, bool]:
     """`json.loads` of an answer with its prompt id array read as `[]`, and whether one was there:
     parses what is left, for an answer whose prompt ids will be dropped."""
     rest, ids = cut_prompt_ids(data)
-    return json.loads(rest), ids is not None
+    return loads(rest), ids is not None
+
+
+def loads(data: bytes) -> Any:
+    """`json.loads` of an engine's answer; bytes that are not UTF-8 read as U+FFFD, so the fields we asked
+    for are still found and removed (the record keeps the bytes as received)."""
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError:
+        return json.loads(data.decode("utf-8", "replace"))
 
 
 def markers(injected: list[str]) -> tuple[bytes, ...]:
@@ -191,7 +200,7 @@ class SseStripper:
                 continue
             cr = line.endswith(b"\r")
             data = line[5:-1] if cr else line[5:]
-            obj, cut = loads_without_prompt_ids(data) if self.drop_ids else (json.loads(data), False)
+            obj, cut = loads_without_prompt_ids(data) if self.drop_ids else (loads(data), False)
             if not self.saw_ids and (cut or has_token_ids(obj)):
                 self.saw_ids = True
             if strip(obj, self.injected):

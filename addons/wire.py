@@ -8,16 +8,21 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Iterable
-from urllib.parse import unquote
+from dataclasses import dataclass
+from urllib.parse import unquote, unquote_plus
 
-SECRET_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie", "set-cookie"})
-# Client credentials never go to the engine; our own control headers neither.
-DROP_UPSTREAM = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie",
-                           "x-openforge-episode", "x-openforge-role"})
+# Credentials: masked in records and logs, never forwarded to the engine. Names ending like an API key or a
+# token count too (`x-goog-api-key`, Azure's `api-key`, `x-auth-token`).
+SECRET_HEADERS = frozenset({"authorization", "x-api-key", "api-key", "x-goog-api-key", "proxy-authorization",
+                            "cookie", "set-cookie"})
+_SECRET_SUFFIXES = ("api-key", "apikey", "api_key", "-token", "-secret", "authorization")
+SECRET_PARAMS = frozenset({"key", "api_key", "api-key", "apikey", "x-api-key", "access_token", "token"})
+# Our own control headers never go to the engine either.
+DROP_UPSTREAM = frozenset({"x-openforge-episode", "x-openforge-role"})
 DROP_UPSTREAM_BYTES = frozenset(name.encode() for name in DROP_UPSTREAM)
 DROP_UPSTREAM_LLM_BYTES = DROP_UPSTREAM_BYTES | {b"accept-encoding"}  # replaced by identity: we read the answer
-_SECRET_BYTES = frozenset(name.encode() for name in SECRET_HEADERS)
 REWARD_PREFIX = "/openforge/v1/episodes/"
 STATUS_PATH = "/openforge/v1/status"
 
@@ -67,19 +72,83 @@ def classify(method: str, path: str) -> tuple[str, str] | None:
     return protocol, CANONICAL[protocol]
 
 
-def strip_prefixes(path: str) -> tuple[str, str | None, str | None]:
-    """Remove leading `/e/<episode>/` and `/r/<role>/` segments (any order): (path, episode, role)."""
-    episode = role = None
-    while path.startswith(("/e/", "/r/")):
+@dataclass(slots=True)
+class Prefixes:
+    """What leading `/e/<episode>/`, `/r/<role>/` and `/k/<token>/` path segments (any order) said."""
+
+    episode: str | None = None
+    role: str | None = None
+    token: str | None = None
+
+
+def strip_prefixes(path: str) -> tuple[str, Prefixes]:
+    """Remove leading `/e/<episode>/`, `/r/<role>/` and `/k/<token>/` segments: (the rest, what they said)."""
+    found = Prefixes()
+    while path.startswith(("/e/", "/r/", "/k/")):
         kind = path[1]
         end = path.find("/", 3)
         value, path = (path[3:], "/") if end < 0 else (path[3:end], path[end:])
         value = unquote(value)
         if kind == "e":
-            episode = value or episode
+            found.episode = value or found.episode
+        elif kind == "r":
+            found.role = value or found.role
         else:
-            role = value or role
-    return path, episode, role
+            found.token = value or found.token
+    return path, found
+
+
+_SECRET_NAMES: dict[bytes, bool] = {}  # header name -> is_secret_header, cached: checked per header per call
+
+
+def is_secret_header(name: bytes) -> bool:
+    """Whether a (raw) header name carries a credential."""
+    secret = _SECRET_NAMES.get(name)
+    if secret is None:
+        n = name.decode("latin-1").lower()
+        secret = n in SECRET_HEADERS or n.endswith(_SECRET_SUFFIXES)
+        if len(_SECRET_NAMES) < 4096:  # clients choose header names: bound what is kept
+            _SECRET_NAMES[name] = secret
+    return secret
+
+
+_PATH_TOKEN = re.compile(r"(?<=/k/)[^/?#]+")
+_MAYBE_SECRET_PARAM = re.compile(r"(?i)key|token|%")  # every name in SECRET_PARAMS has one, or is %-encoded
+
+
+def _is_secret_param(part: str) -> bool:
+    return unquote_plus(part.partition("=")[0]).lower() in SECRET_PARAMS
+
+
+def public_query(query: str) -> str:
+    """A query string without its credential parameters (`?key=`, `?api_key=`, ...), the rest unchanged."""
+    if not _MAYBE_SECRET_PARAM.search(query):
+        return query
+    return "&".join(part for part in query.split("&") if not _is_secret_param(part))
+
+
+def masked_url(url: str) -> str:
+    """A URL with its `/k/<token>/` prefix and credential query parameters masked, for records and logs."""
+    base, sep, query = url.partition("?")
+    if "/k/" not in base and not _MAYBE_SECRET_PARAM.search(query):  # the usual case, checked cheaply
+        return url
+    base = _PATH_TOKEN.sub(lambda m: mask(unquote(m.group())), base)
+    if sep:
+        query = "&".join(f"{part.partition('=')[0]}={mask(unquote_plus(part.partition('=')[2]))}"
+                         if _is_secret_param(part) else part for part in query.split("&"))
+    return base + sep + query
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def printable(text: str) -> str:
+    """`text` with control characters as `\\xNN` / `\\uNNNN`: a logged field cannot forge a line or
+    reach the operator's terminal as an escape sequence."""
+    if not _CONTROL.search(text):
+        return text
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                        else f"\\u{ord(m.group()):04x}", text)
 
 
 def proxy_auth_user(value: str | None) -> str | None:
@@ -115,7 +184,7 @@ def mask(value: str) -> str:
 
 
 def masked_headers(items: Iterable[tuple[str, str]]) -> list[list[str]]:
-    return [[k, mask(v) if k.lower() in SECRET_HEADERS else v] for k, v in items]
+    return [[k, mask(v) if is_secret_header(k.encode("latin-1", "replace")) else v] for k, v in items]
 
 
 def header_map(fields: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -139,7 +208,7 @@ def is_event_stream(fields: Iterable[tuple[bytes, bytes]]) -> bool:
 def masked_fields(fields: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
     """`masked_headers` straight from mitmproxy's raw `Headers.fields` (decoded as mitmproxy does)."""
     return [[k.decode("utf-8", "surrogateescape"),
-             mask(v.decode("utf-8", "surrogateescape")) if k.lower() in _SECRET_BYTES
+             mask(v.decode("utf-8", "surrogateescape")) if is_secret_header(k)
              else v.decode("utf-8", "surrogateescape")] for k, v in fields]
 
 

@@ -53,7 +53,7 @@ def pad_to(row: Row, width: int) -> Row:
     pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
     positions = torch.arange(width).expand(row.input_ids.shape[0], width).clone()
     return Row(pad(row.input_ids), positions, pad(row.attention_mask), pad(row.loss_mask), pad(row.behaviour),
-               pad(row.advantage), pad(row.coef), row.n_real)
+               pad(row.has_behaviour), pad(row.advantage), pad(row.coef), row.n_real)
 
 
 def run(model, batch, cfg: TrainConfig, device, rows: list[list[Sample]], width: int = 0) -> dict[str, float]:

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from openforge.engine import CHATML_TOOLS_TEMPLATE, EmbeddedEngine, die_with_parent, free_port
+from openforge.engine import EmbeddedEngine, die_with_parent, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RL_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
@@ -193,8 +193,7 @@ class Demo:
         from reconstruct import reconstruct
 
         with self.stage("reconstruct", "reconstruct flow files into DuckDB"):
-            tokenizer = load_tokenizer(self.gguf)
-            tokenizer.chat_template = CHATML_TOOLS_TEMPLATE  # the template the engine rendered prompts with
+            tokenizer = load_tokenizer(self.gguf)  # with the chat template the engine rendered prompts with
             self.result.reconstruct = reconstruct([self.flow_dir], self.result.db, tokenizer, run="demo")
         if not self.result.reconstruct.samples:
             raise DemoError(f"reconstruct built no samples from {self.flow_dir}: {dict(self.result.reconstruct.skipped)}")
@@ -232,21 +231,25 @@ class Demo:
     def train(self) -> None:
         import torch
 
-        from trainer.config import load_config
+        from trainer.config import ConfigError, load_config
+        from trainer.data import DataError
         from trainer.train import train
 
         train_out = self.out / "train"
-        cfg = load_config(overrides={
-            "db": str(self.result.db), "model": str(self.result.hf_model), "out": str(train_out),
-            "steps": self.cfg.train_steps, "step_tokens": self.cfg.step_tokens,
-            "row_tokens": min(self.cfg.step_tokens, 4096), "lr": self.cfg.lr, "objective": "ppo", "device": "cpu",
-        })  # fmt: skip
         t0 = time.perf_counter()
         bf16 = cpu_has_bf16() if self.cfg.bf16 is None else self.cfg.bf16
         self.console.print(f"[bold]GRPO steps on SmolLM2-135M[/] ({'bf16 autocast' if bf16 else 'fp32'} on CPU)")
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        with autocast:
-            self.result.checkpoint = train(cfg, say=lambda m: self.console.print(f"  {m}"))
+        try:
+            cfg = load_config(overrides={
+                "db": str(self.result.db), "model": str(self.result.hf_model), "out": str(train_out),
+                "steps": self.cfg.train_steps, "step_tokens": self.cfg.step_tokens,
+                "row_tokens": min(self.cfg.step_tokens, 4096), "lr": self.cfg.lr, "objective": "ppo", "device": "cpu",
+            })  # fmt: skip
+            with autocast:
+                self.result.checkpoint = train(cfg, say=lambda m: self.console.print(f"  {m}"))
+        except (ConfigError, DataError) as e:
+            raise DemoError(f"training refused: {e}") from None
         metrics = train_out / "metrics.jsonl"
         self.result.metrics = [json.loads(line) for line in metrics.read_text().splitlines() if line]
         self.result.timings["train"] = time.perf_counter() - t0

@@ -20,51 +20,7 @@ from types import TracebackType
 
 import httpx
 
-from openforge.models import default_gguf
-
-# Hermes / Qwen2.5-style ChatML with tools. llama.cpp recognises `<tool_call>` in a template and then
-# parses the model's `<tool_call>{...}</tool_call>` output into OpenAI `tool_calls` (SmolLM2's own GGUF
-# template ignores `tools`). Tool-call arguments are rendered verbatim when they already are a JSON string
-# (what OpenAI clients send back), so llama.cpp and a transformers tokenizer render the same prompt.
-CHATML_TOOLS_TEMPLATE = """\
-{%- set default_system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}
-{%- if messages[0]['role'] == 'system' -%}
-{%- set system_message = messages[0]['content'] -%}
-{%- set loop_messages = messages[1:] -%}
-{%- else -%}
-{%- set system_message = default_system -%}
-{%- set loop_messages = messages -%}
-{%- endif -%}
-{{- '<|im_start|>system\\n' + system_message }}
-{%- if tools %}
-{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
-{%- for tool in tools %}
-{{- '\\n' }}{{- tool | tojson }}
-{%- endfor %}
-{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}
-{%- endif %}
-{{- '<|im_end|>\\n' }}
-{%- for message in loop_messages %}
-{%- if message.role == 'assistant' and message.tool_calls %}
-{{- '<|im_start|>assistant' }}
-{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
-{%- for tool_call in message.tool_calls %}
-{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}
-{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
-{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or loop_messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-{%- if loop.last or loop_messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-{%- else %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
+from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf
 
 TEMPLATE_CHOICES = ("chatml-tools", "gguf")
 

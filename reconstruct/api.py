@@ -28,7 +28,9 @@ from reconstruct.episodes import ChainHasher, Linker
 from reconstruct.mitm_flows import MitmFile, is_mitm_file
 from reconstruct.prefixes import PrefixSplitter, expand, int32
 from reconstruct.protocols import Call, RawIds, Skip, parse_record
-from reconstruct.rewards import RESOLVED_REWARDS_SQL, MissingReward, advantage_sql, read_rewards_file
+from reconstruct.rewards import (
+    RESOLVED_REWARDS_SQL, BadReward, MissingReward, advantage_sql, check_reward, read_rewards_file,
+)
 from reconstruct.tokenize import Retokenizer, load_tokenizer
 from reconstruct.trajectories import DRIFT_CLASSES, TreeCall, build_tree, chains, near_misses
 
@@ -36,6 +38,7 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 FLUSH_EVERY = 256
 FLUSH_CELLS = 1_000_000  # token ids (+ logprobs) buffered before a flush: ~4 MB as numpy, whatever the prompt length
 READ_CELLS = 1_000_000  # pass 2 reads whole episodes until their token ids reach this many (at least one episode)
+DEFAULT_ROLE = "agent"  # the proxy's default role; a call recorded without one counts as it
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Summary:
     calls_engine_ids: int = 0
     calls_mixed: int = 0  # engine completion ids, prompt rendered by the template (llama.cpp gives no prompt ids)
     calls_retokenized: int = 0
+    calls_prompt_mismatch: int = 0  # rendered prompt length differs from the engine's: template drift
+    calls_by_role: Counter = field(default_factory=Counter)
     rewards: int = 0
     skipped: Counter = field(default_factory=Counter)
     episodes: int = 0
@@ -64,9 +69,9 @@ class Summary:
 
 
 CALL_COLUMNS = [
-    "call_id", "file_id", "episode_id", "run_id", "role", "toolchain", "protocol", "model", "streamed",
-    "status", "t_start", "t_first_byte", "t_end", "prompt_tokens", "completion_tokens", "finish_reason",
-    "token_source",
+    "call_id", "file_id", "episode_id", "run_id", "role", "toolchain", "protocol", "model", "engine_model",
+    "streamed", "status", "t_start", "t_first_byte", "t_end", "prompt_tokens", "completion_tokens",
+    "finish_reason", "token_source", "prompt_check",
 ]
 TOKEN_COLUMNS = [
     "call_id", "episode_id", "linked_by", "t_start", "seq", "token_source", "prompt_ids", "completion_ids",
@@ -76,8 +81,24 @@ TOKEN_COLUMNS = [
 SAMPLE_COLUMNS = [
     "sample_id", "episode_id", "run_id", "task_id", "tokenizer", "vocab_size", "token_source", "input_ids",
     "loss_mask", "behaviour_logprobs", "n_tokens", "n_trainable", "n_calls", "reward", "advantage", "weight",
-    "created_at",
+    "created_at", "role", "toolchain",
 ]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What decides which tokens are trainable; a run with other options than the last rebuilds every episode."""
+
+    train_roles: list[str]
+    keep_prompt_mismatch: bool = False
+
+    def trainable(self, role: str | None, prompt_check: str | None) -> bool:
+        return (role or DEFAULT_ROLE) in self.train_roles and (self.keep_prompt_mismatch or prompt_check != "mismatch")
+
+    def key(self) -> str:
+        return json.dumps({"train_roles": self.train_roles, "keep_prompt_mismatch": self.keep_prompt_mismatch})
+
+
 EPISODE_COLUMNS = [
     "episode_id", "run_id", "task_id", "toolchain", "n_calls", "n_samples", "reward", "weight",
     "drift_template", "drift_retokenization", "drift_client_rewrite", "drift_other",
@@ -93,14 +114,27 @@ def reconstruct(
     missing_reward: str | MissingReward | None = None,
     advantage: str = "grpo",
     progress: Progress | None = None,
+    train_roles: Iterable[str] = (DEFAULT_ROLE,),
+    group_by: str = "task",
+    keep_prompt_mismatch: bool = False,
+    chat_template: str | Path | None = None,
 ) -> Summary:
-    """Ingest flow files (ours or mitmproxy's) into `db`; rebuild the episodes they touch."""
+    """Ingest flow files (ours or mitmproxy's) into `db`; rebuild the episodes they touch.
+
+    Only calls of `train_roles` become trainable tokens; other roles' calls are kept as samples with nothing
+    trainable. `group_by`: advantages within a task (`task`) or within a task and toolchain (`task-toolchain`).
+    A call whose rendered prompt differs in length from the engine's is template drift and trains only with
+    `keep_prompt_mismatch`. `chat_template`: a file with the template the engine rendered prompts with.
+    """
     started = time.monotonic()
     policy = missing_reward if isinstance(missing_reward, MissingReward) else MissingReward.parse(missing_reward)
-    advantage_sql(advantage)  # validate before any work
+    advantage_sql(advantage, group_by)  # validate before any work
+    build = BuildOptions(sorted(set(train_roles)), keep_prompt_mismatch)
     files = expand_paths(list(paths))
     reward_rows = list(read_rewards_file(rewards)) if rewards else []
     retok = tokenizer if isinstance(tokenizer, Retokenizer) else Retokenizer(load_tokenizer(tokenizer))
+    if chat_template is not None:
+        retok = Retokenizer(retok.tok, chat_template=Path(chat_template).read_text(encoding="utf-8"))
     con = store.connect(db)
     try:
         summary = Summary(files=len(files))
@@ -120,7 +154,7 @@ def reconstruct(
                 progress("read", done, total)
         if rewards:
             _ingest_rewards_file(con, Path(rewards), reward_rows, summary)
-        _rebuild(con, retok, touched, policy, advantage, summary, progress)
+        _rebuild(con, retok, touched, policy, advantage, group_by, build, summary, progress)
         summary.seconds = time.monotonic() - started
         return summary
     finally:
@@ -208,7 +242,7 @@ def _buffers(con) -> dict[str, store.Buffer]:
         "calls": store.Buffer(con, "calls", CALL_COLUMNS, ignore_conflicts=True, key="call_id"),
         "call_tokens": store.Buffer(con, "call_tokens", TOKEN_COLUMNS, ignore_conflicts=True, key="call_id"),
         "skipped": store.Buffer(con, "skipped", ["file_id", "record_id", "reason", "detail"]),
-        "rewards": store.Buffer(con, "rewards", ["episode_id", "reward", "task_id", "source", "metadata"]),
+        "rewards": store.Buffer(con, "rewards", ["episode_id", "reward", "task_id", "source", "metadata", "policy"]),
         "images": store.Buffer(con, "images", ["sha256", "mime", "data"], ignore_conflicts=True),
         "call_messages": store.Buffer(con, "call_messages", ["hash", "message"], ignore_conflicts=True),
         "call_images": store.Buffer(con, "call_images", ["call_id", "sha256"]),
@@ -276,16 +310,20 @@ def _mark_read(con, file_id: str, path: Path, n_records: int, n_bytes: int, torn
 def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary: Summary, touched: set) -> None:
     if rec.get("type") == "reward":
         try:
-            reward = float(rec["reward"])
-            episode = str(rec["episode"])
-        except (KeyError, TypeError, ValueError):
-            bufs["skipped"].add(file_id=file_id, record_id=rec.get("id"), reason="bad_reward", detail=str(rec)[:300])
+            reward = check_reward(rec.get("reward"))
+            episode = rec.get("episode")
+            if not isinstance(episode, str) or not episode:
+                raise BadReward(f"episode {episode!r:.80} is not an episode id")
+        except BadReward as e:
+            bufs["skipped"].add(file_id=file_id, record_id=rec.get("id"), reason="bad_reward",
+                                detail=f"{e} (episode {rec.get('episode')!r:.80})")
             summary.skipped["bad_reward"] += 1
             return
         meta = rec.get("metadata")
         bufs["rewards"].add(
             episode_id=episode, reward=reward, task_id=rec.get("task_id"), source=f"flow:{file_id}",
             metadata=json.dumps(meta) if meta is not None else None,
+            policy="first" if rec.get("reward_policy") == "first" else "last",
         )
         summary.rewards += 1
         return
@@ -294,6 +332,8 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         return
     try:
         call = parse_record(rec)
+        if call.images:
+            raise Skip("images_unsupported", f"{len(call.images)} image(s): vision-language samples do not exist yet")
         prompt_ids, completion_ids, source = _token_ids(call, retok)
     except Skip as s:
         bufs["skipped"].add(file_id=file_id, record_id=rec.get("id"), reason=s.reason, detail=s.detail)
@@ -317,13 +357,16 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         summary.skipped["bad_token_ids"] += 1
         return
     logprobs = None if logprobs is None else np.asarray(logprobs, np.float32)
+    check = _prompt_check(source, len(prompt_ids) if not isinstance(prompt_ids, RawIds) else None, call.prompt_tokens)
     touched.add(episode)
+    role = rec.get("role") or DEFAULT_ROLE
     bufs["calls"].add(
-        call_id=call.call_id, file_id=file_id, episode_id=episode, run_id=run, role=rec.get("role"),
-        toolchain=rec.get("toolchain"), protocol=call.protocol, model=rec.get("model"), streamed=call.streamed,
+        call_id=call.call_id, file_id=file_id, episode_id=episode, run_id=run, role=role,
+        toolchain=rec.get("toolchain"), protocol=call.protocol, model=rec.get("model"),
+        engine_model=rec.get("upstream_model"), streamed=call.streamed,
         status=call.status, t_start=rec.get("t_start"), t_first_byte=rec.get("t_first_byte"),
         t_end=rec.get("t_end"), prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
-        finish_reason=call.finish_reason, token_source=source,
+        finish_reason=call.finish_reason, token_source=source, prompt_check=check,
     )
     bufs["call_tokens"].add(
         call_id=call.call_id, episode_id=episode, linked_by=linked_by, t_start=rec.get("t_start"),
@@ -337,6 +380,8 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         bufs["images"].add(sha256=img.sha256, mime=img.mime, data=img.data)
         bufs["call_images"].add(call_id=call.call_id, sha256=img.sha256)
     summary.calls += 1
+    summary.calls_by_role[role] += 1
+    summary.calls_prompt_mismatch += check == "mismatch"
     if source == "engine":
         summary.calls_engine_ids += 1
     elif source == "mixed":
@@ -358,20 +403,39 @@ def _token_ids(call: Call, retok: Retokenizer) -> tuple[list[int] | RawIds, list
     return prompt, completion, "retokenized"
 
 
-def _ingest_rewards_file(con, path: Path, rows: list[dict[str, Any]], summary: Summary) -> None:
+def _prompt_check(source: str, rendered: int | None, reported: Any) -> str:
+    """`engine` (the engine's own prompt ids), or how a rendered prompt's length compares with the engine's
+    `usage` count: `match`, `mismatch` (the engine rendered another template), `unchecked` (no count)."""
+    if source == "engine":
+        return "engine"
+    if rendered is None or isinstance(reported, bool) or not isinstance(reported, int):
+        return "unchecked"
+    return "match" if rendered == reported else "mismatch"
+
+
+def _ingest_rewards_file(con, path: Path, rows: list[dict[str, Any] | BadReward], summary: Summary) -> None:
     source = f"file:{path.resolve()}"
     con.execute("DELETE FROM rewards WHERE source = ?", [source])
+    con.execute("DELETE FROM skipped WHERE file_id = ?", [source])
     buf = store.Buffer(con, "rewards", ["episode_id", "reward", "task_id", "source", "metadata"])
     for row in rows:
-        buf.add(**row, source=source, metadata=None)
+        if isinstance(row, BadReward):
+            con.execute("INSERT INTO skipped VALUES (?, NULL, 'bad_reward', ?)", [source, str(row)[:500]])
+            summary.skipped["bad_reward"] += 1
+        else:
+            buf.add(**row, source=source, metadata=None)
     summary.rewards += buf.flush()
 
 
 # ---------------------------------------------------------------- pass 2: episodes -> samples
 
 
-def _rebuild(con, retok, touched: set, policy, advantage: str, summary: Summary, progress) -> None:
+def _rebuild(con, retok, touched: set, policy, advantage: str, group_by: str, build: BuildOptions,
+             summary: Summary, progress) -> None:
     con.execute("CREATE OR REPLACE TEMP TABLE affected (episode_id VARCHAR PRIMARY KEY)")
+    previous = con.execute("SELECT value FROM meta WHERE key = 'build_options'").fetchall()
+    if previous and previous[0][0] != build.key():  # other trainable tokens: every episode changes
+        con.execute("INSERT OR IGNORE INTO affected SELECT DISTINCT episode_id FROM call_tokens")
     if touched:
         con.register("_touched", pa.table({"episode_id": sorted(touched)}))
         con.execute("INSERT OR IGNORE INTO affected SELECT episode_id FROM _touched")
@@ -394,11 +458,12 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, summary: Summary,
             f"SELECT episode_id, reward, task_id FROM ({RESOLVED_REWARDS_SQL}) WHERE episode_id IN (SELECT episode_id FROM affected)"
         ).fetchall()
     }
-    info = {
+    info = {  # the toolchain of the policy's calls where there are some
         e: (tc, run)
         for e, tc, run in con.execute(
-            "SELECT episode_id, any_value(toolchain), any_value(run_id) FROM calls "
-            "WHERE episode_id IN (SELECT episode_id FROM affected) GROUP BY episode_id"
+            "SELECT episode_id, coalesce(any_value(toolchain) FILTER (WHERE list_contains(?, role)), "
+            "any_value(toolchain)), any_value(run_id) FROM calls "
+            "WHERE episode_id IN (SELECT episode_id FROM affected) GROUP BY episode_id", [build.train_roles]
         ).fetchall()
     }
     con.begin()
@@ -425,7 +490,8 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, summary: Summary,
                 reward = policy.value  # fill:<x>, or None for keep
             toolchain, run_id = info.get(episode_id, (None, None))
             _build_episode(
-                con, retok, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes, owners, summary
+                con, retok, build, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes,
+                owners, summary,
             )
             if samples.n >= FLUSH_EVERY or samples.cells >= FLUSH_CELLS:
                 samples.flush()
@@ -433,8 +499,10 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, summary: Summary,
                 progress("episodes", done, n_affected)
         for b in (samples, episodes, owners):
             b.flush()
-        con.execute(advantage_sql(advantage))
+        con.execute(advantage_sql(advantage, group_by))
         con.execute("INSERT OR REPLACE INTO meta VALUES ('advantage', ?)", [advantage])
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('group_by', ?)", [group_by])
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('build_options', ?)", [build.key()])
         con.execute("""
             UPDATE samples SET advantage = e.advantage, reward = e.reward, weight = e.weight
             FROM episodes e WHERE samples.episode_id = e.episode_id
@@ -455,6 +523,7 @@ _TREE_COLUMNS = (
     "call_id, episode_id, token_source, prompt_ids, completion_ids, completion_logprobs, "
     "conv_hashes, conv_end, strict_hashes, strict_end, prefix_call_id, prefix_len"
 )
+_CALL_COLUMNS = ("role", "toolchain", "prompt_check")  # from `calls`, beside each call's tokens
 
 
 def _episode_rows(con) -> Iterable[tuple[str, list[dict[str, Any]]]]:
@@ -471,13 +540,14 @@ def _episode_rows(con) -> Iterable[tuple[str, list[dict[str, Any]]]]:
     for chunk in _chunks_by_volume(sizes, READ_CELLS):
         con.register("_episode_chunk", pa.table({"episode_id": chunk}))
         rel = con.sql(f"""
-            SELECT {cols} FROM call_tokens ct JOIN _episode_chunk USING (episode_id)
+            SELECT {cols}, {", ".join("c." + c for c in _CALL_COLUMNS)}
+            FROM call_tokens ct JOIN _episode_chunk USING (episode_id) JOIN calls c USING (call_id)
             ORDER BY ct.episode_id, ct.t_start NULLS LAST, ct.seq, ct.call_id""")
         batch = (getattr(rel, "to_arrow_table", None) or rel.arrow)()  # renamed in duckdb 1.4
         con.unregister("_episode_chunk")
         lists = {c: _list_views(batch.column(c)) for c in ("prompt_ids", "completion_ids", "completion_logprobs")}
         plain = batch.select(["call_id", "episode_id", "token_source", "conv_hashes", "conv_end", "strict_hashes",
-                              "strict_end", "prefix_call_id", "prefix_len"]).to_pylist()
+                              "strict_end", "prefix_call_id", "prefix_len", *_CALL_COLUMNS]).to_pylist()
         current, rows = None, []
         for n, row in enumerate(plain):
             for c, views in lists.items():
@@ -521,35 +591,47 @@ def _list_views(col: Any) -> list[np.ndarray | None]:
     return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(col))]
 
 
-def _build_episode(con, retok, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes, owners, summary):
-    calls = [
-        TreeCall(
-            call_id=r["call_id"],
-            prompt=r["prompt_ids"],
-            completion=r["completion_ids"],
-            logprobs=r["completion_logprobs"],
-            token_source=r["token_source"],
-            conv_prefixes=r["conv_hashes"],
-            conv_end=r["conv_end"],
-        )
-        for r in rows
-    ]
-    parents = build_tree(calls)
+def _build_episode(con, retok, build: BuildOptions, episode_id, rows, reward, task_id, toolchain, run_id, now,
+                   samples, episodes, owners, summary):
+    """One trajectory tree per role (a validator's calls never share a chain with the agent's), samples from
+    every tree; only the policy roles' completions are trainable, and the episode's weight is shared by the
+    samples that train (so other roles' chains do not dilute it)."""
+    by_role: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_role.setdefault(r["role"] or DEFAULT_ROLE, []).append(r)
     drift: Counter = Counter()
-    for i, j in near_misses(calls, parents):
-        prev, cur = _classify_view(con, rows[j]), _classify_view(con, rows[i])
-        prev_ids = np.concatenate([rows[j]["prompt_ids"], rows[j]["completion_ids"]]).tolist()
-        drift[classify(retok, prev, cur, prev_ids)] += 1
-    built = chains(calls, parents)
-    weight = 1.0 / len(built)
-    for n, s in enumerate(built):
+    built: list[tuple[str, list[TreeCall], Any]] = []
+    for role, group in by_role.items():
+        calls = [
+            TreeCall(
+                call_id=r["call_id"],
+                prompt=r["prompt_ids"],
+                completion=r["completion_ids"],
+                logprobs=r["completion_logprobs"],
+                token_source=r["token_source"],
+                conv_prefixes=r["conv_hashes"],
+                conv_end=r["conv_end"],
+                trainable=build.trainable(role, r["prompt_check"]),
+                toolchain=r["toolchain"],
+            )
+            for r in group
+        ]
+        parents = build_tree(calls)
+        for i, j in near_misses(calls, parents):
+            prev, cur = _classify_view(con, group[j]), _classify_view(con, group[i])
+            prev_ids = np.concatenate([group[j]["prompt_ids"], group[j]["completion_ids"]]).tolist()
+            drift[classify(retok, prev, cur, prev_ids)] += 1
+        built.extend((role, calls, s) for s in chains(calls, parents))
+    weight = 1.0 / max(1, sum(1 for _, _, s in built if s.loss_mask.any()))
+    for n, (role, calls, s) in enumerate(built):
         sample_id = f"{episode_id}:{n}"
         n_trainable = int(s.loss_mask.sum())
         samples.add(
             sample_id=sample_id, episode_id=episode_id, run_id=run_id, task_id=task_id, tokenizer=retok.name,
             vocab_size=retok.vocab_size, token_source=s.token_source, input_ids=s.input_ids, loss_mask=s.loss_mask,
             behaviour_logprobs=s.logprobs, n_tokens=len(s.input_ids), n_trainable=n_trainable, n_calls=len(s.path),
-            reward=reward, advantage=None, weight=weight, created_at=now,
+            reward=reward, advantage=None, weight=weight, created_at=now, role=role,
+            toolchain=calls[s.path[-1]].toolchain,
         )
         for i in s.owned:
             owners.add(call_id=calls[i].call_id, sample_id=sample_id)
@@ -557,7 +639,7 @@ def _build_episode(con, retok, episode_id, rows, reward, task_id, toolchain, run
         summary.tokens += len(s.input_ids)
         summary.trainable_tokens += n_trainable
     episodes.add(
-        episode_id=episode_id, run_id=run_id, task_id=task_id, toolchain=toolchain, n_calls=len(calls),
+        episode_id=episode_id, run_id=run_id, task_id=task_id, toolchain=toolchain, n_calls=len(rows),
         n_samples=len(built), reward=reward, weight=weight,
         **{f"drift_{c}": drift[c] for c in DRIFT_CLASSES},
     )

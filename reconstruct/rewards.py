@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from addons.flowfile import MAX_ABS_REWARD
+
 ADVANTAGES = ("grpo", "grpo-no-std", "rloo")
+GROUPINGS = ("task", "task-toolchain")
 GRPO_EPS = 1e-4  # as in common GRPO implementations: (r - mean) / (std + eps)
 
 
@@ -37,52 +41,82 @@ class MissingReward:
         raise ValueError(f"--missing-reward must be drop, keep or fill:<number>, not {text!r}")
 
 
-def read_rewards_file(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Rows `{episode_id, reward, task_id}` from JSONL (`episode`/`episode_id`, `reward`, `task_id`) or CSV."""
+class BadReward(ValueError):
+    """One reward that cannot be used (not a finite number in range, no episode); the run goes on without it."""
+
+
+def check_reward(value: Any) -> float:
+    """The reward as a float, or BadReward: NaN, infinities and absurd magnitudes never reach an advantage."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise BadReward(f"reward {value!r:.80} is not a number")
+    try:
+        reward = float(value)
+    except (ValueError, OverflowError):
+        raise BadReward(f"reward {value!r:.80} is not a number") from None
+    if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+        raise BadReward(f"reward {reward!r} is not a finite number within +-{MAX_ABS_REWARD:g}")
+    return reward
+
+
+def read_rewards_file(path: str | Path) -> Iterator[dict[str, Any] | BadReward]:
+    """Rows `{episode_id, reward, task_id}` from JSONL (`episode`/`episode_id`, `reward`, `task_id`) or CSV;
+    a row that cannot be used comes as a `BadReward` saying where and why (the caller records it)."""
     path = Path(path)
     if not path.is_file():
         raise RewardFileError(f"rewards file {path} does not exist")
     with open(path, newline="") as f:
         if path.suffix.lower() == ".csv":
-            rows: Iterator[tuple[int, dict[str, Any]]] = enumerate(csv.DictReader(f), start=2)
+            rows: Iterator[tuple[int, Any]] = enumerate(csv.DictReader(f), start=2)
         else:
-            rows = ((n, _json_line(line, path, n)) for n, line in enumerate(f, start=1) if line.strip())
+            rows = ((n, _json_line(line)) for n, line in enumerate(f, start=1) if line.strip())
         for n, row in rows:
-            episode = row.get("episode_id") or row.get("episode")
             try:
-                reward = float(row["reward"])
-            except (KeyError, TypeError, ValueError):
-                raise RewardFileError(f"{path}:{n}: no numeric 'reward'") from None
-            if not episode:
-                raise RewardFileError(f"{path}:{n}: no 'episode_id'")
-            yield {"episode_id": str(episode), "reward": reward, "task_id": row.get("task_id") or None}
+                if isinstance(row, BadReward):
+                    raise row
+                if not isinstance(row, dict):
+                    raise BadReward("expected a JSON object with episode_id and reward")
+                episode = row.get("episode_id") or row.get("episode")
+                if not isinstance(episode, (str, int)) or isinstance(episode, bool) or episode == "":
+                    raise BadReward("no 'episode_id'")
+                task = row.get("task_id")
+                yield {"episode_id": str(episode), "reward": check_reward(row.get("reward")),
+                       "task_id": str(task) if task not in (None, "") else None}
+            except BadReward as e:
+                yield BadReward(f"{path}:{n}: {e}")
 
 
-def _json_line(line: str, path: Path, n: int) -> dict[str, Any]:
+def _json_line(line: str) -> Any:
+    """The line's JSON value, or a BadReward (NaN and Infinity literals parse, and are refused later)."""
     try:
-        row = json.loads(line)
+        return json.loads(line)
     except ValueError as e:
-        raise RewardFileError(f"{path}:{n}: not JSON ({e})") from None
-    if not isinstance(row, dict):
-        raise RewardFileError(f"{path}:{n}: expected a JSON object")
-    return row
+        return BadReward(f"not JSON ({e})")
 
 
-# One reward per episode: a rewards file beats reward records, and the latest row wins within a kind.
+# One reward per episode: a rewards file beats reward records; among reward records, the earliest of those the
+# proxy accepted under `openforge_reward_policy=first` (a restart or a second proxy can record two), else the
+# latest row wins.
 RESOLVED_REWARDS_SQL = """
 SELECT episode_id, reward, task_id FROM (
     SELECT episode_id, reward, task_id,
            row_number() OVER (PARTITION BY episode_id
-                              ORDER BY (source LIKE 'file:%') DESC, rowid DESC) AS rank
+                              ORDER BY (source LIKE 'file:%') DESC, (policy = 'first') DESC NULLS LAST,
+                                       CASE WHEN policy = 'first' THEN rowid END, rowid DESC) AS rank
     FROM rewards)
 WHERE rank = 1
 """
 
 
-def advantage_sql(mode: str) -> str:
-    """UPDATE every rewarded episode's advantage within its task group (no task id: one group per run)."""
+def advantage_sql(mode: str, group_by: str = "task") -> str:
+    """UPDATE every rewarded episode's advantage within its group: the task (no task id: one group per run),
+    or the task and the toolchain (`task-toolchain`: each toolchain's episodes compared among themselves)."""
     if mode not in ADVANTAGES:
         raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, not {mode!r}")
+    if group_by not in GROUPINGS:
+        raise ValueError(f"group_by must be one of {', '.join(GROUPINGS)}, not {group_by!r}")
+    group = "coalesce(task_id, '\\x00run:' || coalesce(run_id, ''))"
+    if group_by == "task-toolchain":
+        group += ", coalesce(toolchain, '')"
     formula = {
         "grpo": f"CASE WHEN n > 1 THEN (reward - mean) / (coalesce(std, 0) + {GRPO_EPS}) ELSE 0 END",
         "grpo-no-std": "reward - mean",
@@ -95,7 +129,7 @@ def advantage_sql(mode: str) -> str:
                    avg(reward) OVER w AS mean, stddev_samp(reward) OVER w AS std,
                    count(*) OVER w AS n, sum(reward) OVER w AS total
             FROM episodes WHERE reward IS NOT NULL
-            WINDOW w AS (PARTITION BY coalesce(task_id, '\\x00run:' || coalesce(run_id, '')))
+            WINDOW w AS (PARTITION BY {group})
         )
     ) AS g WHERE episodes.episode_id = g.episode_id
     """

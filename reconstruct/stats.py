@@ -15,7 +15,11 @@ def collect(db: str | Path) -> dict[str, Any]:
     try:
         one = lambda q: con.execute(q).fetchone()  # noqa: E731
         episodes, extra_chains = one("SELECT count(*), coalesce(sum(n_samples - 1), 0) FROM episodes")
-        calls, engine = one("SELECT count(*), count(*) FILTER (token_source = 'engine') FROM calls")
+        calls, prompt_engine, completion_engine, mismatch = one(
+            "SELECT count(*), count(*) FILTER (token_source = 'engine'), "
+            "count(*) FILTER (token_source IN ('engine', 'mixed')), count(*) FILTER (prompt_check = 'mismatch') "
+            "FROM calls")
+        roles = dict(con.execute("SELECT role, count(*) FROM calls GROUP BY role ORDER BY 2 DESC").fetchall())
         samples, tokens, trainable = one(
             "SELECT count(*), coalesce(sum(n_tokens), 0), coalesce(sum(n_trainable), 0) FROM samples"
         )
@@ -29,7 +33,11 @@ def collect(db: str | Path) -> dict[str, Any]:
         return {
             "episodes": episodes,
             "calls": calls,
-            "calls_with_engine_ids": engine,
+            # llama.cpp returns completion ids only: its prompts are rendered by the chat template
+            "prompt_ids": {"engine": prompt_engine, "rendered": calls - prompt_engine},
+            "completion_ids": {"engine": completion_engine, "rendered": calls - completion_engine},
+            "calls_prompt_mismatch": mismatch,  # rendered prompt length != the engine's: template drift
+            "calls_by_role": roles,
             "samples": samples,
             "tokens": int(tokens),
             "trainable_tokens": int(trainable),

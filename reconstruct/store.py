@@ -9,13 +9,23 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 # statements that bring a database of the previous version to the next one
 MIGRATIONS = {
     "1": [
         "ALTER TABLE call_tokens ADD COLUMN IF NOT EXISTS prefix_call_id VARCHAR",
         "ALTER TABLE call_tokens ADD COLUMN IF NOT EXISTS prefix_len INTEGER",
         "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
+    ],
+    # role-aware samples: every episode is rebuilt by the next run (samples of other roles stop being trainable)
+    "2": [
+        "ALTER TABLE calls ADD COLUMN IF NOT EXISTS engine_model VARCHAR",
+        "ALTER TABLE calls ADD COLUMN IF NOT EXISTS prompt_check VARCHAR",
+        "ALTER TABLE samples ADD COLUMN IF NOT EXISTS role VARCHAR",
+        "ALTER TABLE samples ADD COLUMN IF NOT EXISTS toolchain VARCHAR",
+        "ALTER TABLE rewards ADD COLUMN IF NOT EXISTS policy VARCHAR",
+        "DELETE FROM episodes",
+        "UPDATE meta SET value = '3' WHERE key = 'schema_version'",
     ],
 }
 
@@ -49,6 +59,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "role": pa.string(),
     "toolchain": pa.string(),
     "model": pa.string(),
+    "engine_model": pa.string(),
     "finish_reason": pa.string(),
     "task_id": pa.string(),
     "mime": pa.string(),

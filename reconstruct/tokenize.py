@@ -2,7 +2,8 @@
 
 Prompt = `apply_chat_template(messages, tools, add_generation_prompt=True)`. Completion = what the
 template renders for the assistant message after that prompt (full render minus prompt render), up
-to the end-of-turn token: the newline a template puts after it is glue, not generated.
+to the end-of-turn token: the newline a template puts after it is glue, not generated. A completion the
+engine cut (max tokens) never generated its end-of-turn token, so it ends before it.
 
 Encoding is exact and fast on agent traces because added tokens (`<|im_start|>`, `<tool_call>`, ...)
 are split off before BPE: the text between two of them is encoded independently, so those segments
@@ -19,6 +20,9 @@ from collections import OrderedDict
 from typing import Any
 
 from reconstruct.protocols import Call
+
+# finish reasons that mean the engine stopped at its token limit: Chat/Completions, Anthropic, Responses
+TRUNCATED = frozenset({"length", "max_tokens", "incomplete"})
 
 
 def load_tokenizer(path_or_tokenizer: Any) -> Any:
@@ -57,12 +61,17 @@ def _load(path: str, _files: tuple) -> Any:
 
 
 class Retokenizer:
-    """Chat-template rendering plus segment-cached encoding for one HF tokenizer."""
+    """Chat-template rendering plus segment-cached encoding for one HF tokenizer.
 
-    def __init__(self, tokenizer: Any, cache_size: int = 8192) -> None:
+    `chat_template`: the template the engine rendered prompts with, when it is not the tokenizer's own.
+    """
+
+    def __init__(self, tokenizer: Any, cache_size: int = 8192, chat_template: str | None = None) -> None:
         self.tok = tokenizer
+        self.chat_template = chat_template
         self.name = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         self.vocab_size = len(tokenizer)
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend
         added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
@@ -107,7 +116,7 @@ class Retokenizer:
     # ---- rendering
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
         return self.tok.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation, tokenize=False
+            messages, tools=tools, add_generation_prompt=generation, tokenize=False, chat_template=self.chat_template
         )
 
     def call_ids(self, call: Call) -> tuple[list[int], list[int]]:
@@ -118,8 +127,11 @@ class Retokenizer:
         prompt_text = self.render(call.messages, call.tools, generation=True)
         full = self.render(call.messages + [template_message(call.completion)], call.tools, generation=False)
         start = len(prompt_text) if full.startswith(prompt_text) else len(os.path.commonprefix([full, prompt_text]))
-        completion_text = full[start:].rstrip("\n")
-        return self.encode(prompt_text), self.encode(completion_text)
+        completion = self.encode(full[start:].rstrip("\n"))
+        if call.finish_reason in TRUNCATED:
+            while completion and completion[-1] in self._special:  # the template's end of turn, never generated
+                completion.pop()
+        return self.encode(prompt_text), completion
 
 
 def template_message(msg: dict[str, Any]) -> dict[str, Any]:

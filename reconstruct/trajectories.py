@@ -3,7 +3,8 @@
 A call continues a chain when its prompt ids start exactly with that chain's ids so far (prompt +
 completion of the chain's last call): the tokens in between (tool results, user turns, template glue)
 join at loss mask 0. Otherwise it hangs off the longest chain it does extend, or starts a new root.
-Every call's completion is trainable in exactly one sample: the first leaf (in call order) below it.
+Every trainable call's completion is trainable in exactly one sample: the first leaf (in call order) below
+it. A call that is not trainable (another role, a prompt the engine rendered otherwise) stays at mask 0.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class TreeCall:
     token_source: str  # engine | retokenized | mixed
     conv_prefixes: list[str] = field(default_factory=list)  # loose conversation hashes, see episodes.py
     conv_end: str = ""
+    trainable: bool = True  # False: its completion stays at loss mask 0 (not the policy's, or template drift)
+    toolchain: str | None = None
 
     @property
     def end(self) -> int:
@@ -89,9 +92,10 @@ def chains(calls: list[TreeCall], parents: list[int | None]) -> list[Sample]:
         ids = np.concatenate([last.prompt, last.completion]).astype(np.int32)
         mask = np.zeros(len(ids), dtype=np.uint8)
         owned = [i for i in path if owner[i] == leaf]
-        have_lp = all(calls[i].logprobs is not None for i in owned)
+        trained = [i for i in owned if calls[i].trainable]
+        have_lp = all(calls[i].logprobs is not None for i in trained)
         lps = np.full(len(ids), np.nan, dtype=np.float32) if have_lp else None
-        for i in owned:
+        for i in trained:
             start = len(calls[i].prompt)
             stop = start + len(calls[i].completion)
             mask[start:stop] = 1

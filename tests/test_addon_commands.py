@@ -28,7 +28,7 @@ def test_proxy_command_runs_mitmdump_with_the_addon(tmp_path: Path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-c", RUN_PROXY, "proxy", "--upstream", eng.url, "--port", str(port),
              "--flow-dir", str(tmp_path / "f"), "--key", "sk-secret-key-0123456789", "--",
-             "--set", "openforge_record_other=true"],
+             "--set", "openforge_record_other=true", "--set", "openforge_allow_paths=/health"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60

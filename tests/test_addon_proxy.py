@@ -34,7 +34,8 @@ def engine() -> Any:
 
 @pytest.fixture(scope="module")
 def proxy(engine: ScriptedEngine, start_module_proxy: Any) -> Any:
-    return start_module_proxy(engine.url, f"openforge_upstream_key={UPSTREAM_KEY}", "openforge_record_other=true")
+    return start_module_proxy(engine.url, f"openforge_upstream_key={UPSTREAM_KEY}", "openforge_record_other=true",
+                              "openforge_allow_paths=/health,/v1/nothing-*")
 
 
 def records(proxy: Any) -> list[dict[str, Any]]:
@@ -191,7 +192,7 @@ def test_no_episode_and_role_from_path_and_header(proxy: Any) -> None:
     assert recs["role-probe2"]["role"] == "vl" and recs["role-probe2"]["episode_source"] is None
 
 
-def test_other_paths_pass_through_and_are_recorded(proxy: Any) -> None:
+def test_allowed_other_paths_pass_through_and_are_recorded(proxy: Any) -> None:
     r = httpx.get(f"{proxy.url}/health", headers={"authorization": f"Bearer {CLIENT_KEY}"})
     assert r.status_code == 200
     r = httpx.get(f"{proxy.url}/v1/nothing-here")

@@ -60,8 +60,8 @@ def test_classify_and_prefixes() -> None:
     assert wire.classify("POST", "/v1/messages/count_tokens")[0] == "anthropic_count_tokens"
     assert wire.classify("GET", "/v1/models")[0] == "models"
     assert wire.classify("GET", "/v1/chat/completions") is None and wire.classify("POST", "/health") is None
-    assert wire.strip_prefixes("/e/ep%201/r/vl/v1/messages") == ("/v1/messages", "ep 1", "vl")
-    assert wire.strip_prefixes("/r/a/e/b/v1/x") == ("/v1/x", "b", "a")
+    assert wire.strip_prefixes("/e/ep%201/r/vl/v1/messages") == ("/v1/messages", wire.Prefixes("ep 1", "vl"))
+    assert wire.strip_prefixes("/r/a/k/tok%2Fen/e/b/v1/x") == ("/v1/x", wire.Prefixes("b", "a", "tok/en"))
 
 
 def test_mask_and_toolchain() -> None:
@@ -123,3 +123,33 @@ def test_sse_stripper_any_split_gives_the_same_bytes(sep: bytes) -> None:
     for cut in range(1, len(stream)):
         s = profiles.SseStripper(["return_token_ids", "logprobs"])
         assert s.feed(stream[:cut]) + s.feed(stream[cut:]) + s.feed(b"") == expected
+
+
+def test_credentials_in_headers_and_query_are_recognised_and_masked() -> None:
+    assert all(wire.is_secret_header(n) for n in (b"Authorization", b"api-key", b"X-Goog-Api-Key", b"x-auth-token"))
+    assert not any(wire.is_secret_header(n) for n in (b"content-type", b"session-id", b"x-openforge-episode"))
+    assert wire.public_query("key=AIza-1&keep=1&API_KEY=x&access_token=t") == "keep=1"
+    url = "http://h/k/of-client-token-0123456789/e/x/v1/chat?key=AIzaSECRET-0123456789&keep=1"
+    assert wire.masked_url(url) == "http://h/k/of-c…6789/e/x/v1/chat?key=AIza…6789&keep=1"
+    assert wire.masked_url("http://h/v1/chat") == "http://h/v1/chat"
+
+
+def test_printable_escapes_control_characters() -> None:
+    assert wire.printable("ep\n[12:00:00.000] forged\x1b[2J\u2028") == "ep\\x0a[12:00:00.000] forged\\x1b[2J\\u2028"
+    assert wire.printable("plain café") == "plain café"
+
+
+def test_sse_stripper_strips_an_event_that_is_not_utf8() -> None:
+    event = b'data: {"choices": [{"delta": {"content": "caf\xff"}, "token_ids": [5], "logprobs": {"content": []}}]}\n\n'
+    s = profiles.SseStripper(["return_token_ids", "logprobs"])
+    out = s.feed(event) + s.feed(b"")
+    assert b"token_ids" not in out and json.loads(out[6:])["choices"][0]["logprobs"] is None and s.saw_ids
+
+
+def test_routes_are_described_in_one_line(tmp_path: Path) -> None:
+    s = settings(tmp_path, openforge_models=json.dumps({"agent": {"models": {"claude-*": "qwen"},
+                                                                  "sampling": {"temperature": 1.0}},
+                                                        "judge": {"sampling": {"top_p": 0.9}}}))
+    assert options.describe_routes(s.routes) == ("agent: claude-*->qwen sampling temperature=1.0; "
+                                                 "judge: models unchanged sampling top_p=0.9")
+    assert options.describe_routes({}).startswith("none")

@@ -35,6 +35,7 @@ def test_demo_e2e_short_loop(tmp_path) -> None:
     # flow files -> DuckDB: engine token ids, rewards and GRPO advantages
     s = result.reconstruct
     assert s.calls >= 4 and s.calls_mixed == s.calls and s.rewards >= 4  # llama.cpp: completion ids, no prompt ids
+    assert s.calls_prompt_mismatch == 0  # prompts rendered with the engine's template, as long as it counted them
     con = duckdb.connect(str(result.db), read_only=True)
     rows = con.execute(
         "SELECT input_ids, loss_mask, behaviour_logprobs, vocab_size, reward, advantage, token_source FROM samples"

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
-from openforge.engine import CHATML_TOOLS_TEMPLATE, EmbeddedEngine, EngineError
-from openforge.models import default_gguf, load_tokenizer
+from openforge.engine import EmbeddedEngine, EngineError
+from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf, hf_dir, load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,16 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = load_tokenizer()
-    tok.chat_template = CHATML_TOOLS_TEMPLATE
-    return tok
+    """The tokenizer of the converted model directory: what `openforge reconstruct --tokenizer` is given."""
+    from reconstruct.tokenize import load_tokenizer as load_directory
+
+    return load_directory(hf_dir())
+
+
+def test_engine_llamacpp_tokenizer_carries_the_served_template(tokenizer) -> None:
+    """The GGUF's own template ignores `tools`; the engine serves the ChatML tool template, and so must the
+    tokenizer reconstruct renders prompts with, or a call with tools loses its tools block."""
+    assert tokenizer.chat_template == CHATML_TOOLS_TEMPLATE == load_tokenizer().chat_template
 
 
 def test_engine_llamacpp_logprobs_carry_token_ids(engine: EmbeddedEngine) -> None:

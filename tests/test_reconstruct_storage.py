@@ -195,11 +195,14 @@ def test_schema_version_1_database_is_migrated(tmp_path, retok, monkeypatch):
     con = duckdb.connect(str(old))
     con.execute("ALTER TABLE call_tokens DROP COLUMN prefix_call_id")
     con.execute("ALTER TABLE call_tokens DROP COLUMN prefix_len")
+    for table, column in (("calls", "engine_model"), ("calls", "prompt_check"), ("samples", "role"),
+                          ("samples", "toolchain")):  # added in 3
+        con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
     con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     con.close()
     run(old, tmp_path / "second", retok)
     for flows in ("first", "second"):
         run(tmp_path / "fresh.duckdb", tmp_path / flows, retok)
-    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": "2"}]
+    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": "3"}]
     a, b = (json.dumps(db_rows(tmp_path / n, SAMPLES), default=str) for n in ("old.duckdb", "fresh.duckdb"))
     assert a == b and len(json.loads(a)) >= 2

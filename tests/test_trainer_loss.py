@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -9,9 +11,9 @@ import torch
 from tests.support.trainer_samples import one_torch_thread, tiny_model  # noqa: F401  (fixture)
 from trainer.config import TrainConfig
 from trainer.data import Sample
-from trainer.loss import logit_positions, ppo_loss, target_logprobs
+from trainer.loss import logit_positions, ppo_loss, target_logprobs, targets
 from trainer.packing import coefficients, make_row, plan_rows, shard
-from trainer.train import forward_loss
+from trainer.train import forward_loss, old_logprobs
 
 VOCAB = 256
 
@@ -122,14 +124,16 @@ def test_an_empty_row_trains_nothing_but_reaches_every_parameter(model):
 
 
 def test_truncated_importance_sampling_caps_the_ratio():
-    """ratio > is_cap counts as is_cap: value and gradient; PPO clipping still applies on top."""
+    """Engine logprobs as the old policy: ratio > is_cap counts as is_cap: value and gradient; PPO clipping
+    still applies on top."""
     cfg = TrainConfig(is_cap=2.0, clip_low=0.2, clip_high=0.28)
     ratio = torch.tensor([0.5, 1.0, 3.0, 10.0, 1.1], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
     behaviour = torch.full_like(ratio, -2.0)
     logp = (behaviour + ratio.log()).requires_grad_()
     coef = torch.full_like(ratio, 0.2)
-    loss, stats = ppo_loss(logp, behaviour, adv, coef, cfg)
+    known = torch.ones_like(ratio, dtype=torch.bool)
+    loss, stats = ppo_loss(logp, behaviour, behaviour, known, adv, coef, cfg)  # old_policy = engine
     loss.backward()
     # per token: -min(r*A, clip(r)*A) with r truncated to 2.0
     expected = [-(-0.8), -(-1.0), -(-2.0), -(1.28), -(1.1)]
@@ -141,10 +145,52 @@ def test_truncated_importance_sampling_caps_the_ratio():
     assert stats["clipped"] == 2  # 0.5 with A<0 (below 1-0.2) and 10 -> 2.0 with A>0 (above 1.28)
 
 
+def test_old_policy_ratio_times_truncated_engine_weight():
+    """r = pi_theta / pi_old in the clipped surrogate, times w = min(pi_old / pi_behaviour, is_cap) without
+    gradient; w = 1 where the engine gave no logprob."""
+    cfg = TrainConfig(is_cap=2.0, clip_low=0.2, clip_high=0.28)
+    old = torch.full((5,), -1.0, dtype=torch.float64)
+    behaviour = torch.tensor([-1.5, -0.5, -3.0, 0.0, -1.2], dtype=torch.float64)
+    known = torch.tensor([True, True, True, False, True])
+    w = torch.tensor([math.exp(0.5), math.exp(-0.5), 2.0, 1.0, math.exp(0.2)], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 2.0, 1.0, 1.0], dtype=torch.float64)
+    coef = torch.full_like(old, 0.2)
+    # the step's first forward: pi_theta == pi_old except the last token (r = 1.5, clipped at 1.28, A > 0)
+    logp = (old + torch.tensor([0, 0, 0, 0, math.log(1.5)], dtype=torch.float64)).requires_grad_()
+    loss, stats = ppo_loss(logp, old, behaviour, known, adv, coef, cfg)
+    loss.backward()
+    r_clipped = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.28], dtype=torch.float64)
+    assert loss.item() == pytest.approx(-(0.2 * w * adv * r_clipped).sum().item())
+    torch.testing.assert_close(logp.grad, -0.2 * w * adv * torch.tensor([1, 1, 1, 1, 0], dtype=torch.float64))
+    assert stats["is_truncated"] == 1 and stats["clipped"] == 1
+    # the importance ratio reported is pi_theta / pi_behaviour, over the tokens with engine logprobs
+    assert stats["is_ratio_sum"] == pytest.approx(math.exp(0.5) + math.exp(-0.5) + math.exp(2.0) + 1.5 * math.exp(0.2))
+    assert stats["is_ratio_max"] == pytest.approx(math.exp(2.0))
+
+
+def test_recomputed_old_policy_gives_ratio_one_and_weighted_gradient(model):
+    """The no-grad pass before the step and the step's forward agree: r == 1, nothing clipped, and the
+    loss is -sum(coef * w * A) with w the truncated engine weight (1 for a sample without engine logprobs)."""
+    rng = np.random.default_rng(7)
+    batch = [sample(i, n, rng) for i, n in enumerate([30, 18, 44])]
+    batch[1].behaviour_logprobs = None
+    coef = coefficients(batch, "token-mean")
+    row = make_row(batch, coef, packing=True)
+    cfg = TrainConfig(is_cap=2.0)
+    old = old_logprobs(model, row)
+    loss, stats = forward_loss(model, row, cfg, old_logp=old)
+    assert stats["clipped"] == 0 and stats["trainable"] == old.numel()
+    known = targets(row.has_behaviour, row)
+    w = torch.where(known, torch.exp(old - targets(row.behaviour, row)).clamp(max=2.0), 1.0)
+    expected = -(targets(row.coef, row) * w * targets(row.advantage, row)).sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert stats["engine_tokens"] == known.sum().item() == sum(int(s.loss_mask[1:].sum()) for s in (batch[0], batch[2]))
+
+
 def test_kl_to_reference_is_zero_for_the_same_policy_and_positive_otherwise():
     cfg = TrainConfig(kl_coef=0.5)
     logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
-    args = (logp.detach(), torch.ones(3), torch.full((3,), 1 / 3), cfg)
+    args = (logp.detach(), logp.detach(), torch.ones(3, dtype=torch.bool), torch.ones(3), torch.full((3,), 1 / 3), cfg)
     _, same = ppo_loss(logp, *args, ref_logp=logp.detach())
     _, other = ppo_loss(logp, *args, ref_logp=logp.detach() - 0.7)
     assert same["kl"] == 0.0 and other["kl"] > 0.0

@@ -8,6 +8,7 @@ transformers, it is interrupted and resumed, and the 2-rank run must reproduce i
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from tests.support.trainer_samples import (  # noqa: F401  (fixtures)
     write_samples,
 )
 from trainer.config import load_config
-from trainer.train import train
+from trainer.data import DataError
+from trainer.train import lr_factor, train
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +144,7 @@ def test_cli_explains_bad_input(setup, tmp_path):
     assert f"longest: {longest}" in too_long.output and "--where 'n_tokens <= 20'" in too_long.output
 
     no_logprobs = write_samples(tmp_path / "nolp.duckdb", make_samples(qwen_tokenizer(), 3, logprobs=False))
-    missing = run_cli("--db", str(no_logprobs), *common[2:])
+    missing = run_cli("--db", str(no_logprobs), *common[2:], "--set", "old_policy=engine")
     assert missing.exit_code == 1
     assert "3 of 3 selected samples have no behaviour_logprobs" in missing.output and "s0000" in missing.output
     assert run_cli("--db", str(no_logprobs), *common[2:], "--objective", "sft", "--steps", "1",
@@ -154,3 +156,39 @@ def test_cli_explains_bad_input(setup, tmp_path):
 
     bad_key = run_cli(*common, "--set", "learning_rate=1")
     assert bad_key.exit_code == 1 and "unknown config key(s): learning_rate" in bad_key.output
+
+    not_a_table = tmp_path / "train.toml"
+    not_a_table.write_text("train = 5\n")
+    for bad_config in (run_cli(*common, "--config", str(not_a_table)), run_cli(*common, "--lr", "nan"),
+                       run_cli(*common, "--set", "betas=0.9")):
+        assert bad_config.exit_code == 1 and "error:" in bad_config.output, bad_config.output
+        assert isinstance(bad_config.exception, SystemExit), bad_config.exception
+
+
+def test_cli_help_shows_the_train_table():
+    help_text = run_cli("--help").output
+    assert "(flat or )" not in help_text and "[train]" in help_text, help_text
+
+
+def test_logged_lr_is_the_rate_the_step_used(baseline):
+    cfg = load_config(None, {"lr": 3e-3, "steps": 2})
+    assert [m["lr"] for m in metrics(baseline)] == pytest.approx([3e-3 * lr_factor(s, cfg, 2) for s in (0, 1)])
+    assert metrics(baseline)[0]["lr"] == pytest.approx(3e-3)  # no warmup: the first step runs at the peak rate
+
+
+def test_ppo_recomputes_the_old_policy_when_engine_logprobs_are_missing(setup, tmp_path):
+    """Samples without engine logprobs train (importance weight 1); the metrics say how many had them."""
+    rows = [s | {"behaviour_logprobs": None} if i % 3 == 0 else s for i, s in enumerate(setup[3])]
+    db = write_samples(tmp_path / "mixed.duckdb", rows)
+    cfg = config(setup, str(tmp_path / "out"), db=str(db), step_tokens=4096, row_tokens=256, steps=1)
+    train(cfg, say=lambda _: None)
+    (m,) = metrics(Path(cfg.out))
+    trainable = [sum(s["loss_mask"][1:]) for s in rows]
+    known = sum(n for n, s in zip(trainable, rows) if s["behaviour_logprobs"] is not None)
+    assert m["trainable_tokens"] == sum(trainable)
+    assert m["engine_logprob_share"] == pytest.approx(known / sum(trainable))
+    assert 0 < m["engine_gap_mean"] < 10 and m["clip_frac"] == 0.0  # r == 1 at the step's first forward
+    assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+
+    with pytest.raises(DataError, match="have no behaviour_logprobs"):
+        train(config(setup, str(tmp_path / "engine"), db=str(db), old_policy="engine"), say=lambda _: None)

@@ -4,16 +4,24 @@ out/checkpoints/step_000042/
     config.json, model.safetensors, tokenizer files   <- vLLM / SGLang / transformers load this directory
     trainer_state.pt                                   <- optimizer, scheduler, step, data position, RNG
     train.toml                                         <- the config that produced it
+
+trainer_state.pt holds tensors and plain values only, and is read with torch.load(weights_only=True): a
+checkpoint directory from elsewhere cannot run code. Weights are checked finite before anything is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -22,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.config import TrainConfig, dump_toml
-from trainer.data import Position
+from trainer.data import DataError, Position
 from trainer.model import tokenizer_files
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -32,16 +40,63 @@ def checkpoint_dir(out: str | Path, step: int) -> Path:
     return Path(out) / "checkpoints" / f"step_{step:06d}"
 
 
-def latest(out: str | Path) -> Path | None:
-    """The newest complete checkpoint (incomplete ones are still named *.tmp)."""
-    done = sorted(p for p in (Path(out) / "checkpoints").glob("step_*") if p.suffix != ".tmp")
-    return done[-1] if done else None
+STATE_KEYS = {"step", "position", "optimizer", "scheduler", "rng"}
+
+
+class CheckpointDamaged(Exception):
+    """A checkpoint directory `--resume` cannot continue from."""
+
+
+def latest(out: str | Path, say: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads, with its trainer state; damaged newer ones are reported and skipped.
+
+    Incomplete ones are still named *.tmp; a complete one may since have lost or broken a file.
+    """
+    done = sorted((p for p in (Path(out) / "checkpoints").glob("step_*") if p.suffix != ".tmp"), reverse=True)
+    for path in done:
+        try:
+            check_weights(path)
+            return path, load_state(path)
+        except CheckpointDamaged as e:
+            say(f"skipping checkpoint {path}: {e}")
+    return None
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """trainer_state.pt as tensors and plain values: never unpickles code."""
+    try:
+        state = torch.load(path / "trainer_state.pt", weights_only=True)
+    except OSError as e:
+        raise CheckpointDamaged(f"cannot read trainer_state.pt ({e.strerror or e})") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError):
+        raise CheckpointDamaged("trainer_state.pt does not load as tensors and plain values "
+                                "(damaged, or it holds pickled objects)") from None
+    missing = STATE_KEYS - set(state) if isinstance(state, dict) else STATE_KEYS
+    if missing:
+        raise CheckpointDamaged(f"trainer_state.pt lacks {', '.join(sorted(missing))}")
+    return state
+
+
+def check_weights(path: Path) -> None:
+    """config.json and every safetensors file of the weights present, their headers matching their sizes."""
+    if not (path / "config.json").is_file():
+        raise CheckpointDamaged("no config.json")
+    index = path / "model.safetensors.index.json"  # save_pretrained shards large models
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else ["model.safetensors"]
+        for name in files:
+            with safe_open(path / name, "pt"):
+                pass
+    except (OSError, SafetensorError, ValueError, KeyError) as e:
+        raise CheckpointDamaged(f"weights unreadable ({e})") from None
 
 
 def save(out: str, step: int, position: Position, model: torch.nn.Module, tokenizer_dir: str, optimizer, scheduler,
          cfg: TrainConfig, rank: int) -> Path:
     """Gather full weights and optimizer state onto rank 0 and write them; every rank must call this."""
     model_state = drop_tied(model, get_model_state_dict(model, options=FULL))
+    refuse_non_finite(model_state, step, next(model.parameters()).device)
     optim_state = get_optimizer_state_dict(model, optimizer, options=FULL)
     final = checkpoint_dir(out, step)
     if rank == 0:
@@ -65,6 +120,17 @@ def save(out: str, step: int, position: Position, model: torch.nn.Module, tokeni
     return final
 
 
+def refuse_non_finite(state: dict[str, torch.Tensor], step: int, device: torch.device) -> None:
+    """The last line of defence: a checkpoint with a non-finite weight is never written."""
+    bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    count = torch.tensor(len(bad), device=device)
+    if dist.is_initialized():
+        dist.broadcast(count, 0)  # the full weights are gathered on rank 0 only
+    if count.item():
+        raise DataError(f"not saving step {step}: {count.item()} weight tensor(s) hold non-finite values "
+                        f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+
+
 def drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A gathered state dict holds tied weights twice (as copies); save them once, as save_pretrained does."""
     if getattr(model.config, "tie_word_embeddings", False):
@@ -74,9 +140,8 @@ def drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     return state
 
 
-def restore(path: Path, model: torch.nn.Module, optimizer, scheduler) -> tuple[int, Position]:
-    """Load optimizer/scheduler/RNG state (the weights came from `path` via from_pretrained)."""
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
+def restore(state: dict[str, Any], model: torch.nn.Module, optimizer, scheduler) -> tuple[int, Position]:
+    """Load optimizer/scheduler/RNG state from `latest` (the weights came from its directory)."""
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=FULL)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])

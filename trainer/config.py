@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -33,9 +35,11 @@ class TrainConfig:
 
     # --- objective
     objective: str = "ppo"            # ppo (GRPO/PPO clipped surrogate) | sft
+    old_policy: str = "recompute"     # recompute: the trainer's logprobs before the step (no grad), engine
+                                      # logprobs only as a truncated importance weight | engine: the engine's
     clip_low: float = 0.2             # ratio lower bound 1 - clip_low
     clip_high: float = 0.28           # ratio upper bound 1 + clip_high (asymmetric, "clip-higher")
-    is_cap: float = 2.0               # truncated importance sampling: ratio vs the engine never above this
+    is_cap: float = 2.0               # truncated importance sampling: weight vs the engine never above this
     kl_coef: float = 0.0              # > 0 loads a frozen reference model and adds coef * KL (k3)
     aggregation: str = "token-mean"   # token-mean | seq-mean | episode-mean (uses samples.weight)
 
@@ -58,23 +62,46 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         if self.objective not in ("ppo", "sft"):
             raise ConfigError(f"objective must be 'ppo' or 'sft', not {self.objective!r}")
+        if self.old_policy not in ("recompute", "engine"):
+            raise ConfigError(f"old_policy must be 'recompute' or 'engine', not {self.old_policy!r}")
         if self.aggregation not in ("token-mean", "seq-mean", "episode-mean"):
             raise ConfigError(
                 f"aggregation must be token-mean, seq-mean or episode-mean, not {self.aggregation!r}"
             )
-        if self.row_tokens < 2 or self.step_tokens < self.row_tokens:
+        for name, (ok, wanted) in RANGES.items():
+            value = getattr(self, name)
+            if not (all(math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))) and ok(value)):
+                raise ConfigError(f"{name} must be {wanted}, not {value!r}")
+        if self.step_tokens < self.row_tokens:
             raise ConfigError(
-                f"need 2 <= row_tokens <= step_tokens (got row_tokens={self.row_tokens}, "
-                f"step_tokens={self.step_tokens})"
+                f"need row_tokens <= step_tokens (got row_tokens={self.row_tokens}, step_tokens={self.step_tokens})"
             )
-        if self.is_cap < 1.0:
-            raise ConfigError(f"is_cap must be >= 1 (got {self.is_cap})")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# The numeric fields' ranges (and every float, and each of betas, must be finite).
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step_tokens": (lambda v: v >= 2, ">= 2"),
+    "row_tokens": (lambda v: v >= 2, ">= 2"),
+    "clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "clip_high": (lambda v: v >= 0, "finite and >= 0"),
+    "is_cap": (lambda v: v >= 1, "finite and >= 1"),
+    "kl_coef": (lambda v: v >= 0, "finite and >= 0"),
+    "lr": (lambda v: v > 0, "finite and > 0"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "steps": (lambda v: v >= 0, ">= 0 (0 = `epochs` passes over the selection)"),
+    "epochs": (lambda v: v >= 1, ">= 1"),
+    "weight_decay": (lambda v: v >= 0, "finite and >= 0"),
+    "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+    "grad_clip": (lambda v: v > 0, "finite and > 0"),
+    "save_every": (lambda v: v >= 0, ">= 0 (0 = only at the end)"),
+}
 
 
 def _coerce(name: str, value: Any, default: Any) -> Any:
@@ -93,9 +120,9 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
             return float(value)
         if kind is tuple and isinstance(value, list):
             return tuple(float(v) for v in value)
-    except ValueError:
+    except (ValueError, TypeError):
         raise ConfigError(f"{name}: cannot read {value!r} as {kind.__name__}") from None
-    if not isinstance(value, kind):
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{name}: expected {kind.__name__}, got {value!r}")
     return value
 
@@ -108,7 +135,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             data = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from None
-        values.update(data.get("train", data))
+        table = data.get("train", data)
+        if not isinstance(table, dict):
+            raise ConfigError(f"config {path}: `train` must be a [train] table of settings, not {table!r}")
+        values.update(table)
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     defaults = TrainConfig()
     known = {f.name for f in fields(TrainConfig)}

@@ -73,12 +73,14 @@ class SampleSource:
 
     def scalar(self, sql: str) -> tuple:
         try:
-            return self.con.execute(sql).fetchone()
+            return self.con.execute(sql).fetchall()[0]  # fetchall completes the result: the connection is free
         except duckdb.Error as e:
             raise DataError(f"selection failed: {e}\n(the --where filter is SQL on the samples table)") from None
 
-    def check(self, row_tokens: int, needs_logprobs: bool, needs_advantage: bool) -> int:
-        """Fail early, with what to do, on selections that cannot train; returns the sample count."""
+    def check(self, row_tokens: int, vocab_rows: int, needs_logprobs: bool, needs_advantage: bool,
+              needs_weight: bool) -> int:
+        """Refuse, before step 1 and naming samples, every selection the run could not train on to the end
+        (or would train into non-finite weights); returns the sample count."""
         (n,) = self.scalar(f"SELECT count(*) FROM samples WHERE {self.filter}")
         if n == 0:
             (total,) = self.scalar("SELECT count(*) FROM samples")
@@ -95,22 +97,44 @@ class SampleSource:
                 f"(longest: {longest} tokens). Raise row_tokens (--set row_tokens={longest}) or leave them out "
                 f"(--where 'n_tokens <= {row_tokens}')."
             )
-        for column, needed, why in (
-            ("behaviour_logprobs", needs_logprobs, "the ppo objective uses them as the old policy"),
-            ("advantage", needs_advantage, "the ppo objective needs a reward/advantage per sample"),
-        ):
-            if not needed:
-                continue
-            (missing,) = self.scalar(f"SELECT count(*) FROM samples WHERE {self.filter} AND {column} IS NULL")
-            if missing:
+        rebuild = "Re-run `openforge reconstruct`, or leave them out with --where."
+        checks = [  # (SQL condition a sample must not meet, what is wrong with it, what to do)
+            ("len(loss_mask) <> len(input_ids) OR len(behaviour_logprobs) <> len(input_ids) "
+             "OR n_tokens <> len(input_ids)",
+             "have input_ids, loss_mask, behaviour_logprobs or n_tokens of different lengths", rebuild),
+            (f"list_min(input_ids) < 0 OR list_max(input_ids) >= {vocab_rows}",
+             f"have token ids outside the model's embedding (0..{vocab_rows - 1})", rebuild),
+            ("NOT coalesce(list_bool_or(list_transform(loss_mask[2:], lambda m: m <> 0)), false)",
+             "have no trainable token after the first (nothing predicts the first token)", rebuild),
+            ("behaviour_logprobs IS NOT NULL AND coalesce(list_bool_or(list_transform(list_zip(loss_mask, "
+             "behaviour_logprobs)[2:], lambda t: t[1] <> 0 AND NOT isfinite(t[2]))), false)",
+             "have non-finite behaviour_logprobs on trainable tokens", rebuild),
+        ]
+        if needs_advantage:
+            checks += [
+                ("advantage IS NULL", "have no advantage (the ppo objective needs a reward/advantage per sample)",
+                 "Leave them out (--where 'advantage IS NOT NULL') or use --objective sft."),
+                ("NOT isfinite(advantage)", "have a non-finite advantage (a NaN or infinite reward?)",
+                 "Fix the rewards and re-run `openforge reconstruct`, or leave them out with --where."),
+            ]
+        if needs_weight:
+            checks.append(("NOT isfinite(weight) OR weight <= 0", "have a weight that is not a positive number",
+                           rebuild))
+        if needs_logprobs:
+            checks.append(("behaviour_logprobs IS NULL",
+                           "have no behaviour_logprobs (old_policy = engine uses them as the old policy)",
+                           "Use old_policy = recompute (the default), leave them out "
+                           "(--where 'behaviour_logprobs IS NOT NULL') or use --objective sft."))
+        counts = self.scalar(  # one pass over the selection for all checks
+            "SELECT " + ", ".join(f"count(*) FILTER ({c})" for c, _, _ in checks) + f" FROM samples WHERE {self.filter}"
+        )
+        for (condition, problem, fix), count in zip(checks, counts):
+            if count:
                 ids = [r[0] for r in self.con.execute(
-                    f"SELECT sample_id FROM samples WHERE {self.filter} AND {column} IS NULL "
-                    "ORDER BY sample_id LIMIT 5").fetchall()]
-                raise DataError(
-                    f"{missing} of {n} selected samples have no {column} ({why}): {', '.join(ids)}"
-                    f"{' ...' if missing > 5 else ''}. Leave them out (--where '{column} IS NOT NULL') "
-                    "or use --objective sft."
-                )
+                    f"SELECT sample_id FROM samples WHERE {self.filter} AND ({condition}) ORDER BY sample_id LIMIT 5"
+                ).fetchall()]
+                raise DataError(f"{count} of {n} selected samples {problem}: {', '.join(ids)}"
+                                f"{' ...' if count > 5 else ''}. {fix}")
         return n
 
     def vocab_sizes(self) -> list[tuple[int, str]]:
@@ -183,9 +207,5 @@ def _to_samples(batch: pa.RecordBatch) -> Iterator[Sample]:
     for i, sid in enumerate(sample_ids):
         mask = masks[i].astype(bool)
         mask[0] = False  # the first token has no prediction; in a packed row it would see the previous sample
-        if len(mask) != len(ids[i]) or (logprobs[i] is not None and len(logprobs[i]) != len(ids[i])):
-            raise DataError(f"sample {sid}: input_ids, loss_mask and behaviour_logprobs differ in length")
-        if logprobs[i] is not None and np.isnan(logprobs[i][mask]).any():
-            raise DataError(f"sample {sid}: behaviour_logprobs is NaN on trainable tokens")
         yield Sample(sid, episode_ids[i], ids[i], mask, logprobs[i],
                      advantages[i] if advantages[i] is not None else 0.0, rewards[i], weights[i])

@@ -42,36 +42,39 @@ def targets(t: torch.Tensor, row: Row) -> torch.Tensor:
 
 
 def ppo_loss(
-    logp: torch.Tensor, behaviour: torch.Tensor, advantage: torch.Tensor, coef: torch.Tensor, cfg: TrainConfig,
-    ref_logp: torch.Tensor | None = None,
+    logp: torch.Tensor, old: torch.Tensor, behaviour: torch.Tensor, has_behaviour: torch.Tensor,
+    advantage: torch.Tensor, coef: torch.Tensor, cfg: TrainConfig, ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO/PPO clipped surrogate against the engine's (behaviour) logprobs, with truncated IS.
+    """Decoupled PPO: the clipped surrogate against the old policy, weighted for the engine that sampled.
 
-    ratio = pi_theta / pi_behaviour. Truncated importance sampling: a ratio above `is_cap` counts as
-    `is_cap` (its gradient is scaled to is_cap * grad log pi instead of ratio * grad log pi), which bounds
-    the variance that engine/trainer mismatch adds. The PPO clip [1 - clip_low, 1 + clip_high] then applies
-    as usual: no gradient where the surrogate is clipped.
+    r = pi_theta / pi_old, where pi_old is the trainer's own logprobs at the start of the step (or, with
+    old_policy = engine, the engine's). w = min(pi_old / pi_behaviour, is_cap), without gradient, and 1
+    where the engine gave no logprob: truncated importance sampling bounds the variance that engine/trainer
+    mismatch (quantisation, kernels) adds. Per token: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) w.
+    When pi_old is the engine's, w = 1 and r itself is truncated: above is_cap it counts as is_cap (value,
+    and gradient is_cap * grad log pi); PPO clipping applies on top, no gradient where it clips.
     """
-    log_ratio = logp - behaviour
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(logp - old)
     truncated = ratio.detach() > cfg.is_cap
-    ratio_t = torch.where(truncated, cfg.is_cap * torch.exp(logp - logp.detach()), ratio)
-    unclipped = ratio_t * advantage
-    clipped = torch.clamp(ratio_t, 1 - cfg.clip_low, 1 + cfg.clip_high) * advantage
-    per_token = -torch.minimum(unclipped, clipped)
-    policy = (per_token * coef).sum()
+    ratio = torch.where(truncated, cfg.is_cap * torch.exp(logp - logp.detach()), ratio)
+    engine_ratio = torch.where(has_behaviour, torch.exp(old - behaviour), 1.0)
+    weight = engine_ratio.clamp(max=cfg.is_cap)
+    unclipped = ratio * advantage
+    clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * advantage
+    policy = (-torch.minimum(unclipped, clipped) * weight * coef).sum()
     loss, kl = policy, torch.zeros((), device=logp.device)
     if ref_logp is not None:
         delta = ref_logp - logp  # k3 estimator of KL(pi_theta || pi_ref): unbiased, always >= 0
         kl_tok = torch.exp(delta) - delta - 1
         kl = (kl_tok * coef).sum()
         loss = loss + cfg.kl_coef * kl
+    vs_engine = torch.exp(logp.detach() - behaviour)[has_behaviour]  # pi_theta / pi_behaviour
     stats = {
         "policy_loss": policy.item(),
         "kl": kl.item(),
-        "is_ratio_sum": ratio.detach().sum().item(),
-        "is_ratio_max": ratio.detach().max().item() if ratio.numel() else 0.0,
-        "is_truncated": truncated.sum().item(),
+        "is_ratio_sum": vs_engine.sum().item(),
+        "is_ratio_max": vs_engine.max().item() if vs_engine.numel() else 0.0,
+        "is_truncated": (truncated | (engine_ratio > cfg.is_cap)).sum().item(),
         "clipped": (clipped.detach() < unclipped.detach()).sum().item(),
     }
     return loss, stats
@@ -85,14 +88,23 @@ def sft_loss(logp: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, dict
 
 
 def row_loss(logits: torch.Tensor, row: Row, positions: torch.Tensor, cfg: TrainConfig,
-             ref_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The chosen objective on one row, plus token count and entropy sums for the step's metrics."""
+             ref_logits: torch.Tensor | None = None, old_logp: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The chosen objective on one row, plus token, entropy and engine-gap sums for the step's metrics.
+
+    `old_logp`: the old policy's logprobs of the row's trainable targets; None = the engine's (old_policy
+    = engine).
+    """
     logp, entropy = target_logprobs(logits, row, positions)
     coef = targets(row.coef, row)
+    behaviour, has_behaviour = targets(row.behaviour, row), targets(row.has_behaviour, row)
     if cfg.objective == "sft":
         loss, stats = sft_loss(logp, coef)
     else:
         ref_logp = target_logprobs(ref_logits, row, positions)[0] if ref_logits is not None else None
-        loss, stats = ppo_loss(logp, targets(row.behaviour, row), targets(row.advantage, row), coef, cfg, ref_logp)
-    stats |= {"loss": loss.item(), "trainable": float(logp.numel()), "entropy_sum": entropy.sum().item()}
+        old = old_logp if old_logp is not None else behaviour
+        loss, stats = ppo_loss(logp, old, behaviour, has_behaviour, targets(row.advantage, row), coef, cfg, ref_logp)
+    gap = (logp.detach() - behaviour)[has_behaviour].abs()  # trainer vs engine, before this step's update
+    stats |= {"loss": loss.item(), "trainable": float(logp.numel()), "entropy_sum": entropy.sum().item(),
+              "engine_tokens": float(gap.numel()), "engine_gap_sum": gap.sum().item()}
     return loss, stats

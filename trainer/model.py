@@ -56,8 +56,9 @@ def tokenizer_vocab_size(path: str | Path) -> int | None:
 _TOKENIZER_SIZES: dict[str, int] = {}
 
 
-def check_vocab(model_path: str, sample_vocabs: list[tuple[int, str]]) -> None:
-    """Samples tokenised for another model would train garbage (or index out of the embedding).
+def check_vocab(model_path: str, sample_vocabs: list[tuple[int, str]]) -> int:
+    """Samples tokenised for another model would train garbage (or index out of the embedding); returns the
+    embedding's row count (every token id must be below it).
 
     Reads config.json and tokenizer.json only, so a mismatch is reported before any weights load.
     """
@@ -76,6 +77,7 @@ def check_vocab(model_path: str, sample_vocabs: list[tuple[int, str]]) -> None:
                 f"tokenizer/model mismatch: samples were tokenised with {name} (vocab_size {vocab_size}) "
                 f"but the model directory's tokenizer has {tokenizer_size} tokens."
             )
+    return rows
 
 
 def shard(model: torch.nn.Module, device: torch.device) -> None:

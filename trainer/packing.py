@@ -26,15 +26,16 @@ class Row:
     position_ids: torch.Tensor     # long [B, T]
     attention_mask: torch.Tensor | None  # long [B, T] for padded rows; None for packed (positions say it)
     loss_mask: torch.Tensor        # bool [B, T]
-    behaviour: torch.Tensor        # float [B, T]; 0 where unknown
+    behaviour: torch.Tensor        # float [B, T]; the engine's logprob, 0 where unknown
+    has_behaviour: torch.Tensor    # bool [B, T]; True on trainable tokens the engine gave a logprob for
     advantage: torch.Tensor        # float [B, T]; the sample's advantage on each of its tokens
     coef: torch.Tensor             # float [B, T]; aggregation weight of each trainable token
     n_real: int                    # tokens that belong to samples (the rest is padding)
 
     def to(self, device: torch.device) -> "Row":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Row(move(self.input_ids), move(self.position_ids), move(self.attention_mask),
-                   move(self.loss_mask), move(self.behaviour), move(self.advantage), move(self.coef), self.n_real)
+        return Row(move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.loss_mask),
+                   move(self.behaviour), move(self.has_behaviour), move(self.advantage), move(self.coef), self.n_real)
 
 
 def coefficients(batch: list[Sample], aggregation: str) -> dict[str, float]:
@@ -95,32 +96,34 @@ def make_row(samples: list[Sample], coef: dict[str, float], packing: bool) -> Ro
     """Tensors for one forward pass; an empty list gives a two-token row that trains nothing."""
     if not samples:
         one = torch.zeros(1, 2)
-        return Row(one.long(), one.long(), None, one.bool(), one, one, one, 0)
+        return Row(one.long(), one.long(), None, one.bool(), one, one.bool(), one, one, 0)
     if packing:
         cat = lambda xs: torch.from_numpy(np.concatenate(xs))[None]  # noqa: E731
         parts = [_sample_arrays(s, coef[s.sample_id]) for s in samples]
-        ids, mask, beh, adv, cf = (cat([p[k] for p in parts]) for k in range(5))
+        ids, mask, beh, has_beh, adv, cf = (cat([p[k] for p in parts]) for k in range(6))
         pos = cat([np.arange(len(s)) for s in samples])
-        return Row(ids, pos, None, mask, beh, adv, cf, ids.shape[1])
+        return Row(ids, pos, None, mask, beh, has_beh, adv, cf, ids.shape[1])
     width = max(len(s) for s in samples)
     padded = []
     for s in samples:
         arrays = _sample_arrays(s, coef[s.sample_id])
         pad = width - len(s)
         padded.append([np.pad(a, (0, pad)) for a in arrays])  # pad id 0: masked out of attention and loss
-    ids, mask, beh, adv, cf = (torch.from_numpy(np.stack([p[k] for p in padded])) for k in range(5))
+    ids, mask, beh, has_beh, adv, cf = (torch.from_numpy(np.stack([p[k] for p in padded])) for k in range(6))
     attn = torch.from_numpy(np.stack([np.arange(width) < len(s) for s in samples])).long()
     pos = torch.arange(width).expand(len(samples), width).clone()
-    return Row(ids, pos, attn, mask, beh, adv, cf, sum(len(s) for s in samples))
+    return Row(ids, pos, attn, mask, beh, has_beh, adv, cf, sum(len(s) for s in samples))
 
 
 def _sample_arrays(s: Sample, coef: float) -> tuple[np.ndarray, ...]:
     n = len(s)
-    behaviour = s.behaviour_logprobs if s.behaviour_logprobs is not None else np.zeros(n, np.float32)
+    known = s.behaviour_logprobs is not None
+    behaviour = s.behaviour_logprobs if known else np.zeros(n, np.float32)
     return (
         s.input_ids,
         s.loss_mask,
         np.where(s.loss_mask, behaviour, 0.0).astype(np.float32),
+        s.loss_mask & known,
         np.full(n, s.advantage, np.float32),
         np.where(s.loss_mask, coef, 0.0).astype(np.float32),
     )

@@ -20,26 +20,38 @@ import torch.distributed as dist
 
 from trainer import checkpoint
 from trainer.config import TrainConfig
-from trainer.data import Position, Sample, SampleSource, count_steps
-from trainer.loss import logit_positions, row_loss
+from trainer.data import DataError, Position, Sample, SampleSource, count_steps
+from trainer.loss import logit_positions, row_loss, target_logprobs
 from trainer.model import check_vocab, load_model, shard
 from trainer.packing import Row, coefficients, make_row, plan_rows
 from trainer.packing import shard as share_of
 
 
-def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.nn.Module | None = None
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One forward pass of a row and its loss (the reference model runs without grad)."""
+def logits_at(model: torch.nn.Module, row: Row, positions: torch.Tensor) -> torch.Tensor:
+    """The model's logits at `positions` of the row (bf16 autocast on CUDA)."""
     autocast = torch.autocast("cuda", torch.bfloat16) if row.input_ids.is_cuda else contextlib.nullcontext()
-    positions = logit_positions(row)
-    # use_cache=False matters: with a cache, transformers ignores restarting position ids (no packing mask)
-    inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
-                  use_cache=False, logits_to_keep=positions)
     with autocast:
-        logits = model(**inputs).logits
-        with torch.no_grad():
-            ref_logits = ref(**inputs).logits if ref is not None else None
-    return row_loss(logits, row, positions, cfg, ref_logits)
+        # use_cache=False matters: with a cache, transformers ignores restarting position ids (no packing mask)
+        return model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+                     use_cache=False, logits_to_keep=positions).logits
+
+
+def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.nn.Module | None = None,
+                 old_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """One forward pass of a row and its loss (the reference model runs without grad); `old_logp` from
+    `old_logprobs`, or None to use the engine's logprobs as the old policy."""
+    positions = logit_positions(row)
+    logits = logits_at(model, row, positions)
+    with torch.no_grad():
+        ref_logits = logits_at(ref, row, positions) if ref is not None else None
+    return row_loss(logits, row, positions, cfg, ref_logits, old_logp)
+
+
+@torch.no_grad()
+def old_logprobs(model: torch.nn.Module, row: Row) -> torch.Tensor:
+    """PPO's old policy: the model's logprobs of the row's trainable targets before this step's update."""
+    positions = logit_positions(row)
+    return target_logprobs(logits_at(model, row, positions), row, positions)[0]
 
 
 def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print) -> Path:
@@ -56,13 +68,16 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
 
     # --- data, model, optimizer (and, with --resume, where the last run stopped)
     source = SampleSource(cfg.db, cfg.where, cfg.shuffle, cfg.seed)
-    n_samples = source.check(cfg.row_tokens, needs_logprobs=cfg.objective == "ppo",
-                             needs_advantage=cfg.objective == "ppo")
-    ckpt = checkpoint.latest(cfg.out) if resume else None
-    if resume and ckpt is None and master:
+    found = checkpoint.latest(cfg.out, say if master else lambda _: None) if resume else None
+    if resume and found is None and master:
         say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
+    ckpt, state = found or (None, None)
     model_dir = str(ckpt or cfg.model)
-    check_vocab(model_dir, source.vocab_sizes())
+    ppo = cfg.objective == "ppo"
+    recompute = ppo and cfg.old_policy == "recompute"  # the trainer computes pi_old itself at each step
+    n_samples = source.check(cfg.row_tokens, check_vocab(model_dir, source.vocab_sizes()),
+                             needs_logprobs=ppo and not recompute, needs_advantage=ppo,
+                             needs_weight=cfg.aggregation == "episode-mean")
     model = load_model(model_dir, device, cfg.grad_checkpointing)
     ref = None
     if cfg.kl_coef > 0:
@@ -72,7 +87,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     total_steps = cfg.steps or sum(count_steps(source.lengths(e), cfg.step_tokens) for e in range(cfg.epochs))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
-    step, position = checkpoint.restore(ckpt, model, optimizer, scheduler) if ckpt else (0, Position())
+    step, position = checkpoint.restore(state, model, optimizer, scheduler) if state else (0, Position())
     metrics_path = Path(cfg.out) / "metrics.jsonl"
     if master:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
@@ -90,24 +105,27 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             # --- one optimizer step on one global batch
             t0 = time.perf_counter()
             coef = coefficients(batch, cfg.aggregation)
-            rows = plan_rows(share_of(batch, rank, world_size), cfg.row_tokens, cfg.packing)
-            n_rows = reduce_max(len(rows), device)  # every rank runs as many passes (FSDP collectives)
+            mine = plan_rows(share_of(batch, rank, world_size), cfg.row_tokens, cfg.packing)
+            n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
+            rows = [make_row(mine[i] if i < len(mine) else [], coef, cfg.packing).to(device) for i in range(n_rows)]
+            old = [old_logprobs(model, row) if recompute else None for row in rows]  # before any update
             sums, is_max = Counter(), 0.0
-            for i in range(n_rows):
-                row = make_row(rows[i] if i < len(rows) else [], coef, cfg.packing).to(device)
-                loss, stats = forward_loss(model, row, cfg, ref)
+            for row, old_logp in zip(rows, old):
+                loss, stats = forward_loss(model, row, cfg, ref, old_logp)
                 (loss * world_size).backward()  # FSDP averages over ranks; coef already divides by the batch
                 is_max = max(is_max, stats.pop("is_ratio_max"))
                 sums.update(stats | {"tokens": row.n_real, "computed": row.input_ids.numel()})
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            grad_norm = full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            check_finite(step + 1, sums["loss"], grad_norm, device)  # before the update: weights stay finite
+            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step, position = step + 1, next_position
 
             # --- log, checkpoint
-            record = step_metrics(step, position, batch, sums, is_max, grad_norm, scheduler.get_last_lr()[0],
-                                  time.perf_counter() - t0, device)
+            record = step_metrics(step, position, batch, sums, is_max, grad_norm, lr, time.perf_counter() - t0,
+                                  device)
             if master:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -138,8 +156,26 @@ def reduce_max(n: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def full_value(t: torch.Tensor) -> float:
+    """A scalar as a float (FSDP's grad norm is a DTensor: its full value)."""
+    return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def check_finite(step: int, loss: float, grad_norm: float, device: torch.device) -> None:
+    """A non-finite loss or gradient makes every weight non-finite at the update: stop before it."""
+    values = torch.tensor([loss, grad_norm], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(values)  # non-finite on one rank stops all of them
+    if not torch.isfinite(values).all():
+        raise DataError(
+            f"step {step}: loss {values[0].item()}, grad norm {grad_norm}: not finite. Stopped before the "
+            "update, without saving (earlier checkpoints are intact). Check the samples' advantages and "
+            "behaviour_logprobs, or lower lr."
+        )
+
+
 def step_metrics(step: int, position: Position, batch: list[Sample], sums: Counter, is_max: float,
-                 grad_norm: torch.Tensor, lr: float, seconds: float, device: torch.device) -> dict[str, float]:
+                 grad_norm: float, lr: float, seconds: float, device: torch.device) -> dict[str, float]:
     """One JSONL record: per-rank sums reduced over ranks, then turned into means and fractions."""
     keys = sorted(sums)
     totals = torch.tensor([float(sums[k]) for k in keys] + [is_max], dtype=torch.float64, device=device)
@@ -147,15 +183,15 @@ def step_metrics(step: int, position: Position, batch: list[Sample], sums: Count
         dist.all_reduce(totals[:-1])
         dist.all_reduce(totals[-1:], op=dist.ReduceOp.MAX)
     s = dict(zip(keys + ["is_ratio_max"], totals.tolist()))
-    n = max(s["trainable"], 1.0)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    n, engine = max(s["trainable"], 1.0), max(s["engine_tokens"], 1.0)
     advantages = torch.tensor([x.advantage for x in batch], dtype=torch.float64)
     rewards = [x.reward for x in batch if x.reward is not None]
     return {
         "step": step, "epoch": position.epoch, "lr": lr,
         "loss": s["loss"], "policy_loss": s["policy_loss"], "kl": s["kl"], "entropy": s["entropy_sum"] / n,
-        "clip_frac": s["clipped"] / n, "is_ratio_mean": s["is_ratio_sum"] / n, "is_ratio_max": s["is_ratio_max"],
-        "is_truncated_frac": s["is_truncated"] / n, "grad_norm": float(grad_norm),
+        "clip_frac": s["clipped"] / n, "is_ratio_mean": s["is_ratio_sum"] / engine,
+        "is_ratio_max": s["is_ratio_max"], "is_truncated_frac": s["is_truncated"] / n, "grad_norm": grad_norm,
+        "engine_logprob_share": s["engine_tokens"] / n, "engine_gap_mean": s["engine_gap_sum"] / engine,
         "samples": len(batch), "tokens": int(s["tokens"]), "trainable_tokens": int(s["trainable"]),
         "real_token_share": s["tokens"] / max(s["computed"], 1.0), "tokens_per_s": s["tokens"] / seconds,
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,

@@ -33,6 +33,22 @@ def reconstruct_command(
     advantage: str = typer.Option(
         "grpo", "--advantage", help="Per-task advantage: grpo ((r-mean)/std), grpo-no-std (r-mean), rloo (leave-one-out)."
     ),
+    group_by: str = typer.Option(
+        "task", "--group-by", help="Advantage groups: `task`, or `task-toolchain` (each toolchain's episodes of a task apart)."
+    ),
+    train_roles: str = typer.Option(
+        "agent", "--train-roles",
+        help="Comma-separated routing roles whose calls are the policy's and trainable. Other roles' calls "
+        "(validator, synthesis, ...) are kept as samples with nothing trainable.",
+    ),
+    keep_prompt_mismatch: bool = typer.Option(
+        False, "--keep-prompt-mismatch",
+        help="Train calls whose rendered prompt differs in length from the engine's (template drift); left out by default.",
+    ),
+    chat_template: Optional[Path] = typer.Option(
+        None, "--chat-template",
+        help="Jinja file with the chat template the engine rendered prompts with, when it is not the tokenizer's own.",
+    ),
 ) -> None:
     """Read flow files, rebuild each episode's trajectory tree and write samples, rewards and advantages.
 
@@ -41,7 +57,7 @@ def reconstruct_command(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from reconstruct.rewards import ADVANTAGES, MissingReward, RewardFileError
+    from reconstruct.rewards import ADVANTAGES, GROUPINGS, MissingReward, RewardFileError
 
     console = Console(stderr=True)
     try:
@@ -50,6 +66,13 @@ def reconstruct_command(
         raise typer.BadParameter(str(e), param_hint="--missing-reward") from None
     if advantage not in ADVANTAGES:
         raise typer.BadParameter(f"choose one of {', '.join(ADVANTAGES)}", param_hint="--advantage")
+    if group_by not in GROUPINGS:
+        raise typer.BadParameter(f"choose one of {', '.join(GROUPINGS)}", param_hint="--group-by")
+    roles = [r.strip() for r in train_roles.split(",") if r.strip()]
+    if not roles:
+        raise typer.BadParameter("name at least one role, e.g. agent", param_hint="--train-roles")
+    if chat_template is not None and not chat_template.is_file():
+        raise typer.BadParameter(f"{chat_template} is not a file", param_hint="--chat-template")
     missing = [str(p) for p in flows if not p.exists()]
     if missing:
         console.print(f"[red]No such flow file or directory: {', '.join(missing)}")
@@ -78,7 +101,8 @@ def reconstruct_command(
 
         try:
             summary = reconstruct(flows, db, retok, rewards=rewards, run=run, missing_reward=policy,
-                                  advantage=advantage, progress=progress)
+                                  advantage=advantage, progress=progress, train_roles=roles, group_by=group_by,
+                                  keep_prompt_mismatch=keep_prompt_mismatch, chat_template=chat_template)
         except RewardFileError as e:
             console.print(f"[red]{e}")
             raise typer.Exit(2) from None
@@ -97,6 +121,8 @@ def print_summary(summary) -> None:
         ("files", f"{summary.files} ({summary.files_ingested} read, {summary.files_unchanged} unchanged)"),
         ("records", summary.records),
         ("calls", f"{summary.calls} ({summary.calls_engine_ids} engine ids, {summary.calls_mixed} engine completion ids, {summary.calls_retokenized} retokenized)"),
+        ("calls by role", ", ".join(f"{k} {v}" for k, v in sorted(summary.calls_by_role.items())) or "none"),
+        ("prompt != engine's", f"{summary.calls_prompt_mismatch} calls (template drift; not trained unless --keep-prompt-mismatch)"),
         ("rewards", summary.rewards),
         ("episodes built", summary.episodes),
         ("samples", summary.samples),

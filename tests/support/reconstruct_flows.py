@@ -75,11 +75,21 @@ class FlowFactory:
         engine_ids: bool = True,
         stream: bool = False,
         logprobs: bool = True,
+        role: str = "agent",
+        toolchain: str = "openai-python",
+        finish: str | None = None,
+        reported_prompt_tokens: int | None = None,
     ) -> dict[str, Any]:
-        """One Chat Completions exchange whose answer is `assistant` (content, reasoning_content, tool_calls)."""
+        """One Chat Completions exchange whose answer is `assistant` (content, reasoning_content, tool_calls).
+
+        `finish="length"`: the engine stopped at max_tokens, so no end-of-turn token was generated.
+        `reported_prompt_tokens`: what the engine reports in `usage` (default: the true prompt length).
+        """
         prompt = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         prompt_ids = self.tok.encode(prompt, add_special_tokens=False)
         text = generated_text(assistant.get("reasoning_content", ""), assistant.get("content") or "", assistant.get("tool_calls") or [])
+        if finish == "length":
+            text = text.removesuffix("<|im_end|>")
         ids = self.tok.encode(text, add_special_tokens=False)
         lps = [-round(self.rng.random() * 3, 4) for _ in ids]
         self.completions.append(ids)
@@ -87,8 +97,8 @@ class FlowFactory:
         if tools:
             body["tools"] = tools
         upstream = dict(body, return_token_ids=True, logprobs=True) if engine_ids else body
-        finish = "tool_calls" if assistant.get("tool_calls") else "stop"
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids)}
+        finish = finish or ("tool_calls" if assistant.get("tool_calls") else "stop")
+        usage = {"prompt_tokens": reported_prompt_tokens or len(prompt_ids), "completion_tokens": len(ids)}
         if stream:
             response = {"status": 200, "headers": [["content-type", "text/event-stream"]], "body": None,
                         "chunks": self._sse_chunks(assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish, usage),
@@ -104,7 +114,7 @@ class FlowFactory:
                     choice["logprobs"] = {"content": [{"token": str(i), "logprob": lp} for i, lp in zip(ids, lps)]}
             response = {"status": 200, "headers": [["content-type", "application/json"]],
                         "body": json.dumps(out).encode(), "chunks": None, "streamed": False}
-        return self._exchange("chat", body, upstream, response, episode, engine_ids)
+        return self._exchange("chat", body, upstream, response, episode, engine_ids, role, toolchain)
 
     def _sse_chunks(self, assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish, usage) -> list[list[Any]]:
         deltas: list[dict[str, Any]] = [{"role": "assistant", "reasoning_content": assistant.get("reasoning_content", "")}]
@@ -143,15 +153,16 @@ class FlowFactory:
         offsets = sorted(self.wire_rng.sample(range(1, len(stream)), 5))
         return [[self.t, stream[a:b]] for a, b in zip([0] + offsets, offsets + [len(stream)])]
 
-    def _exchange(self, protocol, body, upstream, response, episode, engine_ids) -> dict[str, Any]:
+    def _exchange(self, protocol, body, upstream, response, episode, engine_ids, role="agent",
+                  toolchain="openai-python") -> dict[str, Any]:
         self.seq += 1
         self.t += 1.0
         req = {"method": "POST", "url": "http://127.0.0.1:8000/v1/chat/completions", "headers": [["content-type", "application/json"]]}
         return {
             "type": "exchange", "id": uuid.uuid4().hex, "proxy": self.writer.instance, "seq": self.seq,
             "t_start": self.t, "t_first_byte": self.t + 0.1, "t_end": self.t + 0.5, "complete": True,
-            "episode": episode, "episode_source": "header" if episode else None, "role": "agent",
-            "toolchain": "openai-python", "protocol": protocol, "model": "qwen3", "upstream_model": "qwen3",
+            "episode": episode, "episode_source": "header" if episode else None, "role": role,
+            "toolchain": toolchain, "protocol": protocol, "model": "qwen3", "upstream_model": "Qwen/Qwen3-8B",
             "engine_profile": "vllm", "client_request": {**req, "body": json.dumps(body).encode()},
             "upstream_request": {**req, "body": json.dumps(upstream).encode()}, "response": response,
             "client_response": None, "injected": ["return_token_ids", "logprobs"] if engine_ids else [],

@@ -144,14 +144,16 @@ def make_samples(tokenizer, n: int, seed: int = 0, episodes: int | None = None, 
 
 
 def write_samples(db: Path, samples: list[dict], tokenizer_name: str = "qwen3", vocab_size: int = 151669) -> Path:
-    """Apply reconstruct/schema.sql and insert the samples, as the reconstructor would."""
+    """Apply reconstruct/schema.sql and insert the samples, as the reconstructor would (a sample may set
+    n_tokens / n_trainable itself, to store what a faulty writer would)."""
     con = duckdb.connect(str(db))
     con.execute(SCHEMA.read_text())
     for s in samples:
         con.execute(
-            "INSERT INTO samples VALUES (?, ?, 'run1', 'task1', ?, ?, 'engine', ?, ?, ?, ?, ?, 1, ?, ?, ?, ?)",
+            "INSERT INTO samples VALUES (?, ?, 'run1', 'task1', ?, ?, 'engine', ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, 'agent', 'test')",
             [s["sample_id"], s["episode_id"], tokenizer_name, vocab_size, s["input_ids"], s["loss_mask"],
-             s["behaviour_logprobs"], len(s["input_ids"]), int(sum(s["loss_mask"][1:])), s["reward"],
+             s["behaviour_logprobs"], s.get("n_tokens", len(s["input_ids"])),
+             s.get("n_trainable", int(sum(s["loss_mask"][1:]))), s["reward"],
              s["advantage"], s["weight"], datetime(2025, 1, 1)],
         )
     con.close()
