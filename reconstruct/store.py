@@ -65,7 +65,22 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "mime": pa.string(),
     "data": pa.binary(),
 }
-_INT_BITS = {pa.int32(): 32, pa.int64(): 64}
+
+
+def _kind(typ: pa.DataType) -> str | int | None:
+    """What `check` tests a column's values for: text, bytes, float, an int's bits, or nothing (lists)."""
+    if pa.types.is_list(typ):
+        return None
+    if pa.types.is_string(typ):
+        return "text"
+    if pa.types.is_binary(typ):
+        return "bytes"
+    if pa.types.is_floating(typ):
+        return "float"
+    return typ.bit_width
+
+
+_KINDS = {c: _kind(t) for c, t in COLUMN_TYPES.items()}
 
 
 def schema_sql() -> str:
@@ -117,21 +132,20 @@ def check(column: str, value: Any) -> Any:
 
     Python-side on purpose: a value DuckDB refuses inside a transaction aborts the whole transaction.
     """
-    typ = COLUMN_TYPES.get(column)
-    if value is None or typ is None or pa.types.is_list(typ):
+    kind = _KINDS.get(column)
+    if value is None or kind is None:
         return value
-    if pa.types.is_string(typ):
-        ok = isinstance(value, str) and _utf8(value)
-    elif pa.types.is_binary(typ):
+    if kind == "text":
+        ok = isinstance(value, str) and (value.isascii() or _utf8(value))
+    elif kind == "bytes":
         ok = isinstance(value, bytes)
-    elif pa.types.is_floating(typ):
+    elif kind == "float":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _fits_double(value)
         value = float(value) if ok else value
     else:
-        bits = _INT_BITS[typ]
-        ok = isinstance(value, int) and not isinstance(value, bool) and -(2 ** (bits - 1)) <= value < 2 ** (bits - 1)
+        ok = isinstance(value, int) and not isinstance(value, bool) and -(1 << (kind - 1)) <= value < 1 << (kind - 1)
     if not ok:
-        raise BadValue(f"{column}: {type(value).__name__} {str(value)[:60]!r} does not fit {typ}")
+        raise BadValue(f"{column}: {type(value).__name__} {str(value)[:60]!r} does not fit {COLUMN_TYPES[column]}")
     return value
 
 
