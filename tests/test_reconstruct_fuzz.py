@@ -354,7 +354,7 @@ def test_buffer_sends_the_rows_arrow_accepts(tmp_path: Path) -> None:
 def test_reconstruct_sends_a_row_arrow_refuses_to_skipped(corpus: Corpus, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback for a value no check foresaw: that row goes to `skipped` (insert_failed), the batch goes on."""
     monkeypatch.setattr(store, "check", lambda column, value: value)  # no check: the value reaches Arrow
-    records = [dict(corpus.records[2], role=["not", "text"]), *corpus.records[3:]]
+    records = [dict(corpus.records[2], model=["not", "text"]), *corpus.records[3:]]
     s = corpus.reconstruct([corpus.file_bytes(records)], "fallback")
     assert s.skipped == {"insert_failed": 1}
     [row] = db_rows(corpus.work / "fallback" / "db.duckdb", "SELECT * FROM skipped")
