@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from addons.flowfile import FlowFile, pack
+from addons.flowfile import pack
 from reconstruct import reconstruct, store
 from reconstruct.api import Summary
 from reconstruct.protocols import sse_events
@@ -33,7 +33,6 @@ from tests.support.reconstruct_flows import BASH, db_rows, qwen_path
 from tests.support.scripted_engine import ScriptedEngine
 
 FILE_LEVEL = ("corrupt_file", "torn_record", "unreadable_file")
-SAMPLES = "SELECT episode_id, input_ids, loss_mask FROM samples ORDER BY sample_id"
 FieldPath = tuple[Any, ...]
 
 
@@ -81,8 +80,7 @@ class Corpus:
             objects = list(msgpack.Unpacker(f, raw=False))
         self.header, self.records = objects[0], objects[1:]
         self.offsets = _record_ends(damaged.read_bytes())
-        run = self.reconstruct([damaged.read_bytes()], "baseline")
-        self.summary = run
+        self.baseline = run = self.reconstruct([damaged.read_bytes()], "baseline")
         self.calls = {r["call_id"] for r in db_rows(self.work / "baseline" / "db.duckdb", "SELECT call_id FROM calls")}
         self.good_samples = self.samples("baseline", "omega")
         assert run.calls == 2 * (len(self.records) - 1) and run.rewards == 2 and not run.skipped
@@ -99,7 +97,8 @@ class Corpus:
         return reconstruct([d / "flows"], d / "db.duckdb", self.retok, missing_reward="fill:0")
 
     def samples(self, name: str, episode: str) -> list[dict[str, Any]]:
-        return db_rows(self.work / name / "db.duckdb", f"{SAMPLES.replace('ORDER', f'WHERE episode_id = {episode!r} ORDER')}")
+        return db_rows(self.work / name / "db.duckdb", "SELECT episode_id, input_ids, loss_mask FROM samples "
+                       f"WHERE episode_id = '{episode}' ORDER BY sample_id")
 
     def copy(self, j: int) -> list[dict[str, Any]]:
         """The records of copy j: the same exchanges under other ids and another episode."""
@@ -326,7 +325,7 @@ def test_reconstruct_drops_a_half_stored_record_whole(corpus: Corpus) -> None:
     first, second = corpus.records[0], corpus.records[1]
     records = [dict(first, t_start="soon"), *corpus.records[1:]]
     s = corpus.reconstruct([corpus.file_bytes(records)], "half")
-    assert s.skipped == {"malformed_record": 1} and s.calls == corpus.summary.calls - 1
+    assert s.skipped == {"malformed_record": 1} and s.calls == corpus.baseline.calls - 1
     db = corpus.work / "half" / "db.duckdb"
     [row] = db_rows(db, "SELECT * FROM skipped")
     assert row["record_id"] == first["id"] and "t_start" in row["detail"]
