@@ -134,10 +134,10 @@ class FlowFile:
     def records(self) -> Iterator[dict[str, Any]]:
         """Yield exchange and reward records in file order, streaming (bounded memory).
 
-        A decoded map after the header is yielded whatever its fields (a record of unknown or missing
-        `type` is the caller's to report); the file stops being readable where the bytes stop decoding to
-        maps (`error`, the records before it yielded). Text that is not UTF-8 decodes with U+FFFD: a flipped
-        byte in a string spoils that string, not the rest of the file.
+        Every decoded map after the header but a repeated header is yielded, whatever its fields (a record
+        of unknown or missing `type` is the caller's to report); the file stops being readable where the
+        bytes stop decoding to maps (`error`, the records before it yielded). Text that is not UTF-8
+        decodes with U+FFFD: a flipped byte in a string spoils that string, not the rest of the file.
         """
         self.n_bytes = self.path.stat().st_size
         with open(self.path, "rb") as f:
