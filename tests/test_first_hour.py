@@ -176,3 +176,15 @@ def test_version_and_one_name_for_the_key_option() -> None:
     for sub in (["proxy"], ["preflight"], ["replay", "drive"]):
         cmd, _ = command_of(["openforge", *sub])
         assert any("--key" in p.opts for p in cmd.params), f"openforge {' '.join(sub)} has no --key"
+
+
+def test_demo_proxy_log_has_the_call_lines(tmp_path: Path) -> None:
+    import httpx
+
+    from openforge.demo import Proxy
+    from tests.support.scripted_engine import ScriptedEngine
+
+    with ScriptedEngine(profile="llamacpp") as eng, Proxy(eng.url, tmp_path / "flows", tmp_path / "proxy.log") as proxy:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{proxy.url}/e/ep-1/v1/chat/completions", json=body, timeout=30).status_code == 200
+    assert re.search(r"POST /v1/chat/completions chat .*episode=ep-1 .* 200 ", (tmp_path / "proxy.log").read_text())
