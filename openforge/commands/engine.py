@@ -75,11 +75,11 @@ def _export_hf(gguf: Optional[Path], chat_template: str, target: Path) -> None:
     from transformers import AutoTokenizer
 
     from openforge.engine import resolve_chat_template
-    from openforge.models import hf_dir
+    from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf, gguf_chat_template, hf_dir
 
     template = resolve_chat_template(chat_template)
-    shutil.copytree(hf_dir(gguf), target, dirs_exist_ok=True)
-    if template is not None:
+    shutil.copytree(hf_dir(gguf), target, dirs_exist_ok=True)  # its tokenizer carries CHATML_TOOLS_TEMPLATE
+    if template != CHATML_TOOLS_TEMPLATE:
         tokenizer = AutoTokenizer.from_pretrained(str(target))
-        tokenizer.chat_template = template
+        tokenizer.chat_template = template if template is not None else gguf_chat_template(gguf or default_gguf())
         tokenizer.save_pretrained(str(target))
