@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from addons import profiles, translate, wire
 
@@ -20,7 +20,7 @@ class Exchange:
         "id", "seq", "proxy", "t_start", "t_first_byte", "t_end", "episode", "episode_source", "role",
         "toolchain", "protocol", "model", "upstream_model", "engine_profile", "client_request",
         "upstream_request", "injected", "translated", "client_body", "chunks", "client_chunks", "streamed",
-        "rewriter", "translator", "error", "path", "written",
+        "rewriter", "translator", "error", "path", "written", "on_end", "held",
     )
 
     def __init__(self, id: str, seq: int, proxy: str, t_start: float, protocol: str, path: str) -> None:
@@ -51,6 +51,10 @@ class Exchange:
         self.translator: Any = None
         self.error: str | None = None
         self.written = False
+        # Called at the end of the stream, before what is held is released; never raises. Records the exchange
+        # and returns None, or (not recorded) the bytes the client gets instead of what is held.
+        self.on_end: Callable[[], bytes | None] | None = None
+        self.held: list[bytes] = []  # the client's terminal event (and anything after it), until recorded
 
     # -- streaming -----------------------------------------------------------------------------------
     def on_chunk(self, data: bytes) -> bytes | list[bytes]:
@@ -69,8 +73,17 @@ class Exchange:
                 out = data
         except Exception as e:  # noqa: BLE001 - a raise here would corrupt the client's stream
             out = self._give_up(data, e)
-        # Never hand mitmproxy b"" mid-stream: with chunked encoding that ends the client's response.
-        return out if out else []
+        if data:
+            if out and (self.held or _has_terminal_event(out)):
+                self.held.append(out)  # released once the record is written (`on_end`)
+                return []
+            # Never hand mitmproxy b"" mid-stream: with chunked encoding that ends the client's response.
+            return out if out else []
+        ending = self.held + [out] if out else self.held
+        refusal = self.on_end() if self.on_end is not None else None
+        if refusal is None:
+            return ending
+        return [refusal] if refusal else []
 
     def _give_up(self, data: bytes, e: Exception) -> bytes:
         self.error = f"stream rewrite failed, rest passed through unchanged: {type(e).__name__}: {e}"
@@ -112,6 +125,17 @@ class Exchange:
             "has_token_ids": has_token_ids,
             "error": self.error,
         }
+
+
+# The event that tells a client its streamed answer is complete, at the start of a line: Chat and Completions
+# `data: [DONE]`, Anthropic `message_stop`, Responses `response.completed` / `.incomplete` / `.failed`.
+_TERMINAL = re.compile(rb'(?:^|\n)(?:data: ?\[DONE\]|event: ?(?:message_stop|response\.(?:completed|incomplete|failed))\b)')
+_TERMINAL_HINTS = (b"[DONE]", b"message_stop", b"response.completed", b"response.incomplete", b"response.failed")
+
+
+def _has_terminal_event(out: bytes) -> bool:
+    """Whether a chunk for the client holds its stream's terminal event (substring tests first: cheap)."""
+    return any(h in out for h in _TERMINAL_HINTS) and _TERMINAL.search(out) is not None
 
 
 class _Swallow:

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, Iterator
 
 import msgpack
 
@@ -33,10 +33,14 @@ def pack(record: dict[str, Any]) -> bytes:
 class FlowWriter:
     """Appends records to size-rotated files named after the proxy instance and its start time.
 
-    Each record is flushed to the OS as soon as it is written, so killing the proxy loses at most
-    the exchange in flight; fsync runs at most every `fsync_interval` seconds, never per record, and
-    in a background thread (on a duplicate of the file descriptor) so a slow disk never stalls the
-    proxy's event loop. `fsync_interval=0` fsyncs every record, inline.
+    Each record goes to the OS in one `write` call before `write` returns (no buffer in this process), so
+    once the proxy has answered a call, `kill -9` cannot lose its record. fsync (surviving a crash of the
+    machine) runs at most every `fsync_interval` seconds, never per record, and in a background thread (on
+    a duplicate of the file descriptor) so a slow disk never stalls the proxy's event loop.
+    `fsync_interval=0` fsyncs every record, inline.
+
+    A write that fails (disk full, directory gone or read-only) raises OSError and leaves no partial record:
+    the file is cut back to its last whole record and closed, and the next write starts a new file.
     """
 
     directory: Path
@@ -44,7 +48,7 @@ class FlowWriter:
     max_bytes: int = 256 << 20
     fsync_interval: float = 1.0
     started: float = field(default_factory=time.time)
-    _file: BinaryIO | None = field(default=None, init=False, repr=False)
+    _fd: int | None = field(default=None, init=False, repr=False)
     _file_seq: int = field(default=0, init=False)
     _size: int = field(default=0, init=False)
     _last_fsync: float = field(default=0.0, init=False)
@@ -55,19 +59,22 @@ class FlowWriter:
     def write(self, record: dict[str, Any]) -> None:
         data = pack(record)
         with self._lock:
-            if self._file is None or self._size + len(data) > self.max_bytes:
+            if self._fd is None or self._size + len(data) > self.max_bytes:
                 self._rotate()
-            assert self._file is not None
-            self._file.write(data)
-            self._file.flush()
+            assert self._fd is not None
+            try:
+                _write_all(self._fd, data)
+            except OSError:
+                self._abandon()
+                raise
             self._size += len(data)
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_interval:
                 self._last_fsync = now
                 if self.fsync_interval <= 0:
-                    os.fsync(self._file.fileno())
+                    os.fsync(self._fd)
                 elif self._syncer is None or not self._syncer.is_alive():
-                    self._syncer = threading.Thread(target=_fsync_and_close, args=(os.dup(self._file.fileno()),),
+                    self._syncer = threading.Thread(target=_fsync_and_close, args=(os.dup(self._fd),),
                                                     name="openforge-fsync", daemon=True)
                     self._syncer.start()
 
@@ -88,7 +95,6 @@ class FlowWriter:
         self._file_seq += 1
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.started))
         path = self.directory / f"openforge-{self.instance}-{stamp}-{self._file_seq:04d}{SUFFIX}"
-        self._file = open(path, "ab")
         header = pack(
             {
                 "type": "header",
@@ -99,17 +105,41 @@ class FlowWriter:
                 "created": time.time(),
             }
         )
-        self._file.write(header)
-        self._file.flush()
-        self._size = len(header)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            _write_all(fd, header)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)  # a file without a whole header is no flow file
+            raise
+        self._fd, self._size = fd, len(header)
         self.paths.append(path)
 
+    def _abandon(self) -> None:
+        """After a failed write: cut the file back to its last whole record, close it (best effort)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, self._size)
+        except OSError:
+            pass  # the reader then reports a torn or corrupt tail for this file
+        os.close(fd)
+
     def _close_file(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """`os.write` until all of `data` is written (one call unless interrupted or the disk fills up)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _fsync_and_close(fd: int) -> None:

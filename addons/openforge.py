@@ -19,6 +19,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import asyncio  # noqa: E402
+import functools  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -26,7 +27,7 @@ import math  # noqa: E402
 import secrets  # noqa: E402
 import time  # noqa: E402
 import weakref  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any  # noqa: E402
 from urllib.parse import unquote  # noqa: E402
 
 from mitmproxy import ctx, exceptions, http  # noqa: E402
@@ -123,8 +124,9 @@ class OpenForge:
         self._seq = itertools.count(1)
         self._id_prefix = secrets.token_hex(12)  # record ids: this + the sequence number (uuid4 costs a syscall)
         self._inflight: dict[str, http.HTTPFlow] = {}  # exchange id -> flow
-        self._after: list[Callable[[], None]] = []  # records to write once their answers have gone out
+        self._flush_scheduled = False  # a stdout flush of the per-call lines waits for the end of this pass
         self._records = 0
+        self._write_error: str | None = None  # why the last write failed; None once one succeeds
         self._profile: str | None = None
         self._detecting: asyncio.Future[str | None] | None = None
         self._upstream_ok_at = float("-inf")
@@ -230,8 +232,8 @@ class OpenForge:
                            f"its calls keep their model and get no forced sampling")
 
     def done(self) -> None:
-        """Shutdown: write the answered exchanges, then those still in flight as incomplete; close the file."""
-        self._run_after()
+        """Shutdown: write the exchanges still in flight as incomplete; close the file."""
+        self._flush_lines()
         for flow in list(self._inflight.values()):
             ex: Exchange | None = flow.metadata.get(META)
             if ex is None:
@@ -311,18 +313,27 @@ class OpenForge:
             ex.rewriter = profiles.SseStripper(ex.injected)
         if ex.translator is not None or ex.rewriter is not None:
             flow.response.headers.pop("content-length", None)
+        ex.on_end = functools.partial(self._end_stream, flow, ex)
         flow.response.stream = ex.on_chunk
 
     def response(self, flow: http.HTTPFlow) -> None:
         ex: Exchange | None = flow.metadata.pop(META, None)
         if ex is None or flow.response is None:
             return
+        if ex.streamed:
+            if ex.on_end is not None:  # the stream callable never saw the end of the stream
+                self._end_stream(flow, ex)
+            if not ex.written:  # cut the answer short: the client's HTTP response never completes
+                flow.kill()
+            return
         try:
             self._finish(flow, ex)
         except Exception as e:  # noqa: BLE001 - still write what we have
             logger.exception("OpenForge: cannot finish the exchange record")
             ex.error = ex.error or f"proxy error while finishing: {type(e).__name__}: {e}"
-            self._write(ex, self._response_parts(flow, None, ex), complete=False)
+            problem = self._write(ex, self._response_parts(flow, None, ex), complete=False)
+            if problem:
+                self._refuse_unrecorded(flow, ex, problem)
 
     def error(self, flow: http.HTTPFlow) -> None:
         ex: Exchange | None = flow.metadata.pop(META, None)
@@ -524,11 +535,14 @@ class OpenForge:
                 logger.warning(f"OpenForge: reward refused ({e.status}) episode={wire.printable(episode[:MAX_ID_CHARS])}: "
                                f"{wire.printable(e.message)}")
         else:
-            if s.reward_policy == "first":
-                self._rewarded.add(episode)
-            self._write_record(record)
-            status, answer = 200, {"ok": True, "id": record["id"], "episode": episode}
-            logger.info(f"reward episode={wire.printable(episode)} reward={record['reward']:g}")
+            problem = self._write_record(record)
+            if problem:
+                status, answer = 503, {"error": f"reward not recorded: {problem}"}
+            else:
+                if s.reward_policy == "first":
+                    self._rewarded.add(episode)
+                status, answer = 200, {"ok": True, "id": record["id"], "episode": episode}
+                logger.info(f"reward episode={wire.printable(episode)} reward={record['reward']:g}")
         flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
 
     def _reward_record(self, flow: http.HTTPFlow, episode: str, rest: str, s: options.Settings) -> dict[str, Any]:
@@ -572,8 +586,8 @@ class OpenForge:
                 "metadata": metadata, "reward_policy": s.reward_policy}
 
     def _status(self, flow: http.HTTPFlow, s: options.Settings) -> None:
-        """GET /openforge/v1/status: a readiness probe, answered here. Its answer leaves after the records
-        of every exchange answered before it arrived (they are written right after their answers)."""
+        """GET /openforge/v1/status: a readiness probe, answered here. `write_error`: why the last record
+        could not be written (calls are answered 503 meanwhile); it stays ready, so traffic can retry."""
         if s.guarded and not access.matches(access.presented(flow.request.headers.fields, None),
                                             s.client_tokens + s.reward_tokens):
             flow.response = http.Response.make(
@@ -581,11 +595,12 @@ class OpenForge:
                 {"content-type": "application/json"})
             return
         writer = self.writer
-        answer = {"ok": writer is not None, "proxy": self.instance, "started": self.started,
+        ok = writer is not None
+        answer = {"ok": ok, "write_error": self._write_error, "proxy": self.instance, "started": self.started,
                   "upstream": s.upstream_display, "engine_profile": self._profile,
                   "flow_file": str(writer.current_path) if writer and writer.current_path else None,
                   "records": self._records, "in_flight": len(self._inflight)}
-        flow.response = http.Response.make(200 if writer is not None else 503, json.dumps(answer).encode(),
+        flow.response = http.Response.make(200 if ok else 503, json.dumps(answer).encode(),
                                            {"content-type": "application/json"})
 
     # -- engine --------------------------------------------------------------------------------------------
@@ -624,57 +639,75 @@ class OpenForge:
 
     # -- response side -------------------------------------------------------------------------------------
     def _finish(self, flow: http.HTTPFlow, ex: Exchange) -> None:
-        """Make the client's answer (stripped or translated) now; record the exchange once it has it."""
+        """A non-streamed answer: make the client's (stripped or translated) and record the exchange, all
+        before mitmproxy sends it (it does once this hook returns); unrecorded, the client gets a 503."""
         resp = flow.response
         assert resp is not None
         ex.t_end = time.time()
         client_response = None
-        has_ids: bool | None = None  # a stream's is found off the client's path
-        if ex.streamed:
-            response = self._response_parts(flow, None, ex)
-            if ex.client_chunks is not None:
-                client_response = response._replace(chunks=ex.client_chunks)
-        else:
-            response = self._response_parts(flow, raw=resp.raw_content)
-            has_ids = False
-            if ex.translated is not None:
-                has_ids = body_has_token_ids(resp.content)
-                self._translate_body(flow, ex)
-                client_response = self._response_parts(flow, raw=resp.raw_content)
-            elif ex.protocol != "other":
-                has_ids = self._strip_body(resp, ex)
-        self._after_answer(lambda: self._record(flow, ex, response, client_response, has_ids))
+        response = self._response_parts(flow, raw=resp.raw_content)
+        has_ids = False
+        if ex.translated is not None:
+            has_ids = body_has_token_ids(resp.content)
+            self._translate_body(flow, ex)
+            client_response = self._response_parts(flow, raw=resp.raw_content)
+        elif ex.protocol != "other":
+            has_ids = self._strip_body(resp, ex)
+        status = resp.status_code
+        problem = self._record(ex, response, client_response, has_ids)
+        if problem:
+            self._refuse_unrecorded(flow, ex, problem)
+            status = 503
+        self._log(flow, ex, status, flush=False)
+        self._flush_soon()
 
-    def _record(self, flow: http.HTTPFlow, ex: Exchange, response: ResponseParts,
-                client_response: ResponseParts | None, has_ids: bool | None) -> None:
+    def _end_stream(self, flow: http.HTTPFlow, ex: Exchange) -> bytes | None:
+        """`Exchange.on_end`: the stream has ended and its terminal event is held. Record the exchange now,
+        so the client has its whole answer only once the record is in the OS; unrecorded, return the error
+        event it gets instead (the `response` hook then cuts the answer short). Never raises."""
+        ex.on_end = None
+        try:
+            ex.t_end = time.time()
+            response = self._response_parts(flow, None, ex)
+            client_response = response._replace(chunks=ex.client_chunks) if ex.client_chunks is not None else None
+            problem = self._record(ex, response, client_response, None)
+        except Exception as e:  # noqa: BLE001 - never raise into mitmproxy's stream handling
+            logger.exception("OpenForge: cannot record a streamed exchange")
+            problem = f"proxy error: {type(e).__name__}: {e}"
+        status = flow.response.status_code if flow.response is not None else "ERR"
+        self._log(flow, ex, 503 if problem else status, flush=False)
+        self._flush_soon()
+        return _error_event(_client_protocol(ex), _unrecorded_message(problem)) if problem else None
+
+    def _record(self, ex: Exchange, response: ResponseParts, client_response: ResponseParts | None,
+                has_ids: bool | None) -> str | None:
+        """Write the exchange's record (flushed to the OS); why not, if it could not be written."""
         try:
             if has_ids is None:
                 has_ids = (ex.rewriter is not None and ex.rewriter.saw_ids) or stream_has_token_ids(ex.chunks)
-            self._write(ex, response, complete=True, client_response=client_response, has_ids=has_ids)
+            return self._write(ex, response, complete=True, client_response=client_response, has_ids=has_ids)
         except Exception as e:  # noqa: BLE001 - still write what we have
             logger.exception("OpenForge: cannot write the exchange record")
             ex.error = ex.error or f"proxy error while recording: {type(e).__name__}: {e}"
-            self._write(ex, None, complete=False)
-        self._log(flow, ex, flow.response.status_code if flow.response is not None else "ERR", flush=False)
+            return self._write(ex, None, complete=False)
 
-    def _after_answer(self, job: Callable[[], None]) -> None:
-        """Run `job` once the client has its answer, off its latency: mitmproxy sends the answer when the
-        current hook returns, within this pass of the event loop, and `call_soon` runs after that pass."""
-        self._after.append(job)
-        if len(self._after) == 1:
-            try:
-                asyncio.get_running_loop().call_soon(self._run_after)
-            except RuntimeError:  # no event loop (hooks called directly): now
-                self._run_after()
+    def _refuse_unrecorded(self, flow: http.HTTPFlow, ex: Exchange, problem: str) -> None:
+        """Replace an answer whose record could not be written by a 503 in the client's protocol."""
+        flow.response = self._error_response(ex, 503, _unrecorded_message(problem), "recording_failed")
 
-    def _run_after(self) -> None:
-        jobs, self._after = self._after, []
-        for job in jobs:
-            try:
-                job()
-            except Exception:  # noqa: BLE001 - one failed record must not drop the others of this pass
-                logger.exception("OpenForge: cannot record an exchange")
-        if jobs and self._call_lines:
+    def _flush_soon(self) -> None:
+        """Flush the per-call lines once per pass of the event loop, after the answers of this pass."""
+        if self._flush_scheduled:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self._flush_lines)
+            self._flush_scheduled = True
+        except RuntimeError:  # no event loop (hooks called directly): now
+            self._flush_lines()
+
+    def _flush_lines(self) -> None:
+        self._flush_scheduled = False
+        if self._call_lines:
             try:
                 sys.stdout.flush()
             except OSError:
@@ -727,9 +760,7 @@ class OpenForge:
     @staticmethod
     def _error_response(ex: Exchange | None, status: int, message: str, kind: str) -> http.Response:
         """An error answer in the client's own protocol shape (the one it spoke, when translated)."""
-        protocol = ex.protocol if ex is not None else "chat"
-        if ex is not None and ex.translated is not None:
-            protocol = ex.translated["from"]
+        protocol = _client_protocol(ex) if ex is not None else "chat"
         return http.Response.make(status, wire.error_body(protocol, status, message, kind),
                                   {"content-type": "application/json"})
 
@@ -766,33 +797,39 @@ class OpenForge:
 
     # -- output --------------------------------------------------------------------------------------------
     def _write(self, ex: Exchange, response: ResponseParts | None, complete: bool,
-               client_response: ResponseParts | None = None, has_ids: bool = False) -> None:
+               client_response: ResponseParts | None = None, has_ids: bool = False) -> str | None:
+        """Write the exchange's record once; why not, if it could not be written."""
         if ex.written:  # at shutdown, before mitmproxy's own error hook for the same flow
-            return
+            return None
         if ex.t_end is None:
             ex.t_end = time.time()
         record = ex.record(response, client_response, complete, has_ids)
-        ex.written = True
         self._inflight.pop(ex.id, None)
-        self._write_record(record)
+        problem = self._write_record(record)
+        ex.written = problem is None
+        return problem
 
-    def _write_record(self, record: dict[str, Any]) -> None:
+    def _write_record(self, record: dict[str, Any]) -> str | None:
+        """Append a record to the flow file, flushed to the OS; why not, if it could not be written (logged:
+        the caller answers its client with an error instead). A later write tries again."""
         if self.writer is None:
-            return
+            return "the proxy is shutting down"
         try:
             self.writer.write(record)
-            self._records += 1
         except OSError as e:
-            # Traffic must not continue unrecorded: stop the proxy loudly.
-            logger.error(f"OpenForge: cannot write flow file in {self.writer.directory}: {e}; stopping")
-            ctx.master.shutdown()
+            self._write_error = f"cannot write a flow file in {self.writer.directory}: {e.strerror or e}"
+            logger.error(f"OpenForge: {record['type']} record {record['id']} not written: {self._write_error}")
+            return self._write_error
+        self._records += 1
+        self._write_error = None
+        return None
 
     def _log(self, flow: http.HTTPFlow, ex: Exchange, status: int | str, flush: bool = True) -> None:
         """The masked per-call line, printed straight to stdout in mitmdump's line format.
 
         Through `logging`, mitmproxy turns every line into an `add_log` event dispatched to all its addons:
         that cost 0.6 ms of CPU per request, half of what the addon costs (bench/proxy_overhead.py).
-        Lines written after answers are flushed once per event-loop pass (`_run_after`).
+        Lines written with `flush=False` are flushed once per event-loop pass (`_flush_soon`).
         """
         if not self._call_lines:
             return
@@ -826,6 +863,21 @@ def _set_body(message: http.Message, data: bytes) -> None:
                                        for (k, v), n in zip(fields, names))
         if b"content-length" not in names:
             message.headers.fields += ((b"content-length", length),)
+
+
+def _client_protocol(ex: Exchange) -> str:
+    return ex.translated["from"] if ex.translated is not None else ex.protocol
+
+
+def _unrecorded_message(problem: str) -> str:
+    return f"OpenForge: the answer was not delivered because it could not be recorded ({problem})"
+
+
+def _error_event(protocol: str, message: str) -> bytes:
+    """An SSE error event in the client's protocol: Anthropic and Responses name it, Chat sends bare data."""
+    body = wire.error_body(protocol, 503, message, "recording_failed")
+    named = protocol in wire.ANTHROPIC_PROTOCOLS or protocol == "responses"
+    return (b"event: error\n" if named else b"") + b"data: " + body + b"\n\n"
 
 
 def _mask_request(req: http.Request) -> None:

@@ -362,7 +362,7 @@ def field_check(path: Path_) -> dict[str, str]:
     if path.flow_dir is not None:
         from addons.flowfile import expand_paths, open_flow_file
 
-        time.sleep(0.5)  # records are flushed as each exchange ends; give the last one a moment
+        time.sleep(0.5)  # an older addon (--baseline-addon) may write a record just after its answer
         recs = [r for f in expand_paths([path.flow_dir]) for r in open_flow_file(f).records()
                 if r.get("type") == "exchange"]
         last = recs[-4:]
@@ -517,6 +517,15 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
                           f"{per('mitmdump+addon', kinds) * 1e3:.2f} ms"
                           for what, kinds in (("per request", ("ns1", "ns16")), ("per SSE stream", ("s1", "s16")),
                                               ("per agent-sized request", ("long1",)))))
+
+        def rounds(kind: str) -> str:
+            """p50 latency at 1 client, baseline -> addon, and the per-round differences (median, range)."""
+            base, ours = phases[("addon baseline", kind)], phases[("mitmdump+addon", kind)]
+            diffs = sorted(o - b for o, b in zip(ours.round_p50s(), base.round_p50s()))
+            return (f"{pct(base.latencies, .5) * 1e3:.2f} -> {pct(ours.latencies, .5) * 1e3:.2f} ms "
+                    f"(per round {pct(diffs, .5) * 1e3:+.2f}; {diffs[0] * 1e3:+.2f} to {diffs[-1] * 1e3:+.2f})")
+        print(f"addon vs addon baseline (as deployed), p50 at 1 client: small call {rounds('ns1')}, whole SSE "
+              f"stream {rounds('s1')}, agent-sized call {rounds('long1')}")
     if ("litellm", "ns16") in phases:
         rate = {n: {k: phases[(n, k)].requests / phases[(n, k)].wall for k in ("ns1", "ns16", "s16")}
                 for n in ("mitmdump+addon", "litellm")}

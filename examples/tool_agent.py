@@ -10,6 +10,8 @@ seen a tool call earlier in the conversation.
 
 from __future__ import annotations
 
+import os
+
 import argparse
 import ast
 import json
@@ -131,7 +133,8 @@ def run_episode(
     from openai import OpenAI, OpenAIError
 
     episode = Episode(episode_id=f"{task.id}-{uuid.uuid4().hex[:8]}", task=task)
-    client = OpenAI(base_url=f"{proxy}/e/{episode.episode_id}/v1", api_key="openforge-demo", max_retries=0, timeout=timeout)
+    key = os.environ.get("OPENFORGE_CLIENT_TOKEN", "openforge-demo")  # a proxy with client tokens checks it
+    client = OpenAI(base_url=f"{proxy}/e/{episode.episode_id}/v1", api_key=key, max_retries=0, timeout=timeout)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": task.question + ASK}]
     try:
         for _ in range(max_turns):

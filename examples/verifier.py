@@ -8,6 +8,8 @@ call) plus up to 0.25 for a final number close to the answer.
 
 from __future__ import annotations
 
+import os
+
 import re
 
 import httpx
@@ -29,9 +31,13 @@ def score(episode: Episode) -> float:
 
 
 def report(proxy: str, episode: Episode, reward: float, timeout: float = 10.0) -> None:
-    """POST {proxy}/openforge/v1/episodes/<episode>/reward: the proxy writes it into the flow file."""
+    """POST {proxy}/openforge/v1/episodes/<episode>/reward: the proxy writes it into the flow file.
+
+    A proxy with reward tokens (docs/addon.md, Security) takes the one in $OPENFORGE_REWARD_TOKEN."""
+    token = os.environ.get("OPENFORGE_REWARD_TOKEN")
     response = httpx.post(
         f"{proxy}/openforge/v1/episodes/{episode.episode_id}/reward",
+        headers={"authorization": f"Bearer {token}"} if token else None,
         json={
             "reward": reward,
             "task_id": episode.task.id,

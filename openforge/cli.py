@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from openforge import __version__
 from openforge.commands import demo, engine, flows, preflight, proxy, reconstruct, replay, stats, train
 
 app = typer.Typer(
@@ -17,6 +18,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"openforge {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    pass
+
 
 for module in (proxy, preflight, flows, reconstruct, stats, train, engine, replay, demo):
     module.register(app)

@@ -69,16 +69,17 @@ class DemoError(RuntimeError):
 
 class Proxy:
     """`mitmdump -s addons/openforge.py` in reverse mode in front of the engine, stopped with SIGINT so
-    the addon writes in-flight exchanges and closes its flow file."""
+    the addon writes in-flight exchanges and closes its flow file. Its log has the addon's line per call
+    (`flow_detail=0` drops mitmproxy's own per-flow lines, which say less)."""
 
     def __init__(self, upstream: str, flow_dir: Path, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         mitmdump = Path(sys.executable).parent / "mitmdump"
         self.command = [
-            str(mitmdump if mitmdump.exists() else "mitmdump"), "-q", "-s", str(ROOT / "addons" / "openforge.py"),
+            str(mitmdump if mitmdump.exists() else "mitmdump"), "-s", str(ROOT / "addons" / "openforge.py"),
             "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "--listen-port", str(self.port),
-            "--set", "connection_strategy=lazy", "--set", f"openforge_upstream_url={upstream}",
+            "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", f"openforge_upstream_url={upstream}",
             "--set", f"openforge_flow_dir={flow_dir}", "--set", "openforge_engine_profile=llamacpp",
             "--set", "openforge_models=" + json.dumps({"agent": {"sampling": RL_SAMPLING}}),
             "--set", f"confdir={flow_dir.parent / 'mitmproxy'}",
@@ -320,11 +321,34 @@ class Demo:
         table.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in r.timings.items()) + f" (total {sum(r.timings.values()):.0f}s)")
         table.add_row("files", f"flows {self.flow_dir}\nDuckDB {r.db}\ncheckpoint {r.checkpoint}\nGGUF {r.exported_gguf}")
         c.print(table)
-        c.print("Next:\n"
-                f"  openforge stats --db {r.db}\n"
-                f"  jupyter lab notebooks/   (explore {r.db})\n"
-                f"  openforge engine --gguf {r.exported_gguf}   (serve the updated policy)\n"
-                f"  openforge train --db {r.db} --model {r.checkpoint}   (or record your own agent with `openforge proxy`)")
+        c.print("Next:\n" + "\n".join(f"  {line}" for line in self.next_commands()), highlight=False)
+
+    def next_commands(self) -> list[str]:
+        """The commands the summary suggests, each runnable as printed (with this environment's tools)."""
+        r = self.result
+        openforge, jupyter = _tool("openforge"), _tool("jupyter")
+        db = Path(r.db).resolve()
+        lab = (f"OPENFORGE_DB={db} {jupyter} lab notebooks/   (notebooks/traces_overview.ipynb explores it)"
+               if jupyter else f"pip install jupyterlab, then OPENFORGE_DB={db} jupyter lab notebooks/")
+        return [f"{openforge} stats --db {r.db}",
+                lab,
+                f"{openforge} engine --gguf {r.exported_gguf}   (serve the updated policy)",
+                f"{openforge} train --db {r.db} --model {r.checkpoint} --out {self.out / 'train-more'}   "
+                "(or record your own agent with `openforge proxy`)"]
+
+
+def _tool(name: str) -> str | None:
+    """How to call a console script of this environment: its bare name when the shell finds this one,
+    else its path (e.g. `.venv/bin/openforge` after `make demo` without an activated venv); None if absent."""
+    beside = Path(sys.executable).parent / name
+    if not beside.exists():
+        return shutil.which(name)
+    if shutil.which(name) == str(beside):
+        return name
+    try:
+        return str(beside.relative_to(Path.cwd()))
+    except ValueError:
+        return str(beside)
 
 
 def cpu_has_bf16() -> bool:

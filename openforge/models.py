@@ -137,6 +137,14 @@ def _tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def gguf_chat_template(gguf: Path | str) -> str | None:
+    """The chat template stored in a GGUF's metadata (what llama.cpp serves with `--chat-template gguf`)."""
+    import gguf as gguf_format
+
+    field = gguf_format.GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
 def load_tokenizer(gguf: Path | str | None = None) -> PreTrainedTokenizerBase:
     """The GGUF's tokenizer (vocabulary, merges, special tokens) with the engine's chat template, through
     transformers; from the converted directory when there is one (a second instead of 10-30)."""

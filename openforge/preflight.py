@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -68,6 +69,8 @@ def base_url(upstream: str) -> str:
 
 
 def _unreachable(exc: httpx.HTTPError, url: str, timeout: float) -> str:
+    if isinstance(exc, httpx.LocalProtocolError):  # its text quotes the offending header value: the key
+        return f"the request to {url} could not be sent: a header value is not valid HTTP (check the key)"
     text = str(exc) or type(exc).__name__
     if isinstance(exc, httpx.TimeoutException):
         return f"{url} did not answer within {timeout:g} s (engine overloaded, still loading, or a firewall)"
@@ -95,6 +98,34 @@ def _key_hint(key: str) -> str:
     return f"key {mask(key)}" if key else "no key was sent (set OPENFORGE_UPSTREAM_KEY or --key)"
 
 
+def key_problem(key: str) -> str | None:
+    """What makes a key unusable as a header value (a trailing newline from `$(cat keyfile)`, spaces, other
+    control characters), described without showing the key."""
+    if key != key.strip():
+        ends = [name for name, ch in (("newline", "\n"), ("carriage return", "\r"), ("tab", "\t"), ("space", " "))
+                if ch in key[:1] + key[-1:]]
+        return (f"the key starts or ends with whitespace ({', '.join(ends) or 'blank'}), as a key read from a "
+                "file often does; strip it (e.g. `export OPENFORGE_UPSTREAM_KEY=$(tr -d '[:space:]' < keyfile)`)")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+        return "the key contains a control character (a line break?); it cannot be sent in an HTTP header"
+    return None
+
+
+def proxy_env_problem(base: str) -> str | None:
+    """A toolchain started from this shell honours HTTP(S)_PROXY (preflight does not): calls to the engine
+    or to the capture proxy would go through that proxy unless NO_PROXY covers their host."""
+    parts = urlsplit(base)
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass_environment(parts.hostname or "", proxies):
+        return None
+    shown = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    where = f"{shown.scheme}://{shown.hostname}" + (f":{shown.port}" if shown.port else "")  # no credentials
+    name = f"{parts.scheme.upper()}_PROXY" if proxies.get(parts.scheme) else "ALL_PROXY"
+    return (f"{name} is set ({where}) and NO_PROXY does not cover {parts.hostname}: a toolchain started from "
+            f"this shell would send its calls through {where}; add {parts.hostname} to NO_PROXY")
+
+
 def targets(models: list[str], routes: dict[str, Route]) -> list[tuple[str, str, dict[str, Any]]]:
     """(role, engine model id, forced sampling) for each model given and each model a role routes to."""
     out = [("-", m, {}) for m in models]
@@ -118,6 +149,13 @@ class Preflight:
         self.owned_by: set[str] = set()
 
     def run(self, models: list[str] | None = None, routes: dict[str, Route] | None = None) -> Report:
+        problem = key_problem(self.key)
+        if problem:
+            self.report.add("key", False, problem)
+            return self.report
+        problem = proxy_env_problem(self.base)
+        if problem:
+            self.report.add("proxy environment", True, problem, warn=True)
         if not self._check_models():
             return self.report
         todo = targets(models or [], routes or {})
@@ -216,7 +254,18 @@ class Preflight:
             self.report.add(check, False, f"empty output (finish_reason={finish}): the engine produced no text "
                             f"for max_tokens={MAX_TOKENS}; check its max_model_len / chat template / stop tokens")
             return False
-        note = f" (cut at max_tokens={MAX_TOKENS}, fine for a preflight)" if finish == "length" else ""
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+        produced = usage.get("completion_tokens")
+        if finish == "length" and isinstance(produced, int) and produced < MAX_TOKENS:
+            self.report.add(check, False, f"the engine stopped after {produced} token(s) with finish_reason=length, "
+                            f"before max_tokens={MAX_TOKENS}: its own length limit (context size, max_model_len "
+                            "or a server-side max tokens such as llama.cpp's --n-predict) cuts even this short "
+                            "answer; raise it")
+            return False
+        note = ""
+        if finish == "length":
+            note = (f" (cut at max_tokens={MAX_TOKENS}, fine for a preflight)" if isinstance(produced, int) else
+                    f" (stopped by a length limit: max_tokens={MAX_TOKENS} or the engine's own; no usage to tell)")
         self.report.add(check, True, f"{ms:.0f} ms, answered {text.strip()[:40]!r}{note}")
         return True
 

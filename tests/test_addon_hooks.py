@@ -1,4 +1,4 @@
-"""The addon's hooks in process, on mitmproxy test flows: records are written once the answer has gone out."""
+"""The addon's hooks in process, on mitmproxy test flows: records are written before the answer goes out."""
 
 from __future__ import annotations
 
@@ -48,13 +48,14 @@ async def answer(addon: OpenForge, f: http.HTTPFlow, stream: bool) -> None:
         addon.responseheaders(f)
         assert callable(f.response.stream)
         f.response.stream(event + b"data: [DONE]\n\n")
+        f.response.stream(b"")  # the end of the stream: its record is written here
     else:
         f.response = http.Response.make(200, json.dumps(ANSWER).encode(), {"content-type": "application/json"})
         addon.responseheaders(f)
     addon.response(f)
 
 
-def test_records_follow_the_answer_and_a_failing_one_spares_the_rest(
+def test_records_precede_the_answer_and_a_failing_one_spares_the_rest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(chunks: Any) -> bool:
         raise RuntimeError("boom")
@@ -70,10 +71,8 @@ def test_records_follow_the_answer_and_a_failing_one_spares_the_rest(
             plain, streamed = new_flow("plain", False), new_flow("streamed", True)
             await answer(addon, plain, stream=False)
             await answer(addon, streamed, stream=True)
-            assert b"prompt_token_ids" not in plain.response.content  # the client's answer is ready now
-            assert addon._records == 0 and len(addon._after) == 2  # the records wait for this pass to end
-            await asyncio.sleep(0)
-            assert addon._records == 2 and not addon._after and not addon._inflight
+            assert b"prompt_token_ids" not in plain.response.content
+            assert addon._records == 2 and not addon._inflight  # written before the answers went out
             addon.done()
         return [r for p in expand_paths([tmp_path]) for r in open_flow_file(p).records()]
 

@@ -39,7 +39,7 @@ def proxy(engine: ScriptedEngine, start_module_proxy: Any) -> Any:
 
 
 def records(proxy: Any) -> list[dict[str, Any]]:
-    proxy.status()  # records are written right after their answers: wait for those of every answered call
+    proxy.status()  # the proxy is up (a record is in the file before its call is answered)
     out = []
     for path in expand_paths([proxy.flow_dir]):
         ff = open_flow_file(path)

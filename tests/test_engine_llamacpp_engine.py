@@ -138,3 +138,16 @@ def test_engine_llamacpp_cli_bad_gguf(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-m", "openforge.cli", "engine", "--gguf", str(tmp_path / "nope.gguf")],
                           cwd=root, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "GGUF file not found" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_engine_llamacpp_export_carries_the_template_the_engine_serves(tmp_path) -> None:
+    """`openforge engine --export-hf DIR --chat-template gguf`: the exported tokenizer renders with the GGUF's
+    own template (what llama.cpp then serves), not the default tool template."""
+    from openforge.commands.engine import _export_hf
+    from openforge.models import gguf_chat_template
+    from reconstruct.tokenize import load_tokenizer as load_directory
+
+    own = gguf_chat_template(default_gguf())
+    assert own and own != CHATML_TOOLS_TEMPLATE
+    _export_hf(None, "gguf", tmp_path / "model")
+    assert load_directory(tmp_path / "model").chat_template == own

