@@ -145,10 +145,11 @@ def reconstruct(
         hasher = ChainHasher()
         prefixes = PrefixSplitter()
         touched: set[str] = set()
+        seen: set[str] = set()  # call ids read in this run: a reused id is a damaged record, never a second call
         total = sum(p.stat().st_size for p in files if p.exists())
         done = 0
         for path in files:
-            _ingest_file(con, path, retok, linker, hasher, prefixes, run, summary, touched)
+            _ingest_file(con, path, retok, linker, hasher, prefixes, run, summary, touched, seen)
             done += path.stat().st_size if path.exists() else 0
             if progress:
                 progress("read", done, total)
@@ -187,7 +188,7 @@ def _open(path: Path) -> tuple[Any, str | None, str | None]:
 
 def _ingest_file(
     con, path: Path, retok: Retokenizer, linker: Linker, hasher: ChainHasher, prefixes: PrefixSplitter, run,
-    summary: Summary, touched: set,
+    summary: Summary, touched: set, seen: set,
 ) -> None:
     reader, file_id, error = _open(path)
     if error:
@@ -215,7 +216,7 @@ def _ingest_file(
                 summary.records += 1
                 mark = {name: b.n for name, b in bufs.items()}
                 try:
-                    _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary, touched)
+                    _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary, touched, seen)
                 except Exception as e:  # noqa: BLE001 - one bad record is skipped, never the run
                     _skip_failed(rec, e, mark, file_id, bufs, prefixes, summary)
                 if bufs["calls"].n >= FLUSH_EVERY or bufs["call_tokens"].cells >= FLUSH_CELLS:
@@ -307,7 +308,8 @@ def _mark_read(con, file_id: str, path: Path, n_records: int, n_bytes: int, torn
     )
 
 
-def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary: Summary, touched: set) -> None:
+def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, summary: Summary, touched: set,
+                   seen: set) -> None:
     if rec.get("type") == "reward":
         try:
             reward = check_reward(rec.get("reward"))
@@ -332,6 +334,9 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         return
     try:
         call = parse_record(rec)
+        if call.call_id in seen:
+            raise Skip("duplicate_record", f"record id {call.call_id} was already read in this run")
+        seen.add(call.call_id)
         if call.images:
             raise Skip("images_unsupported", f"{len(call.images)} image(s): vision-language samples do not exist yet")
         prompt_ids, completion_ids, source = _token_ids(call, retok)
@@ -470,6 +475,7 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, group_by: str, bu
     try:
         con.execute("DELETE FROM samples WHERE episode_id IN (SELECT episode_id FROM affected)")
         con.execute("DELETE FROM episodes WHERE episode_id IN (SELECT episode_id FROM affected)")
+        con.execute("DELETE FROM skipped WHERE file_id IN (SELECT 'episode:' || episode_id FROM affected)")
         samples = store.Buffer(con, "samples", SAMPLE_COLUMNS)
         episodes = store.Buffer(con, "episodes", EPISODE_COLUMNS)
         owners = store.Buffer(con, "_owners", ["call_id", "sample_id"])
@@ -489,10 +495,20 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, group_by: str, bu
                     continue
                 reward = policy.value  # fill:<x>, or None for keep
             toolchain, run_id = info.get(episode_id, (None, None))
-            _build_episode(
-                con, retok, build, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes,
-                owners, summary,
-            )
+            marks = [b.n for b in (samples, episodes, owners)]
+            try:
+                if isinstance(rows, Exception):
+                    raise rows
+                _build_episode(
+                    con, retok, build, episode_id, rows, reward, task_id, toolchain, run_id, now, samples, episodes,
+                    owners, summary,
+                )
+            except Exception as e:  # noqa: BLE001 - one episode that cannot be built never stops the run
+                for b, n in zip((samples, episodes, owners), marks):
+                    b.truncate(n)
+                con.execute("INSERT INTO skipped VALUES (?, NULL, 'episode_failed', ?)",
+                            [f"episode:{episode_id}", f"{type(e).__name__}: {e}"[:500]])
+                summary.skipped["episode_failed"] += 1
             if samples.n >= FLUSH_EVERY or samples.cells >= FLUSH_CELLS:
                 samples.flush()
             if progress:
@@ -553,14 +569,21 @@ def _episode_rows(con) -> Iterable[tuple[str, list[dict[str, Any]]]]:
             for c, views in lists.items():
                 row[c] = views[n]
             if row["episode_id"] != current and rows:
-                expand(rows)
-                yield current, rows
+                yield current, _expanded(rows)
                 rows = []
             current = row["episode_id"]
             rows.append(row)
         if rows:
-            expand(rows)
-            yield current, rows
+            yield current, _expanded(rows)
+
+
+def _expanded(rows: list[dict[str, Any]]) -> list[dict[str, Any]] | ValueError:
+    """The episode's rows with whole prompts, or the reason they cannot have them (a damaged prefix chain)."""
+    try:
+        expand(rows)
+    except ValueError as e:
+        return e
+    return rows
 
 
 def _chunks_by_volume(sizes: list[tuple[str, int]], limit: int) -> Iterable[list[str]]:

@@ -241,3 +241,37 @@ def test_reconstruct_cli_options_for_roles_groups_and_templates(tmp_path):
                         (["--chat-template", str(tmp_path / "none.jinja")], "not a file")):
         bad = runner.invoke(app, base + extra)
         assert bad.exit_code == 2 and hint in bad.output and "Traceback" not in bad.output
+
+
+def test_a_reused_record_id_is_skipped_and_never_stops_the_run(tmp_path, retok):
+    """A record whose id an earlier record of the run already has (a damaged or hand-edited file) is skipped;
+    the calls that follow it in its episode keep their own tokens, and other episodes are built."""
+    f = FlowFactory(tmp_path / "flows", seed=13)
+    first = f.tool_loop("a", turns=1)
+    other = f.chat(convo("another task"), answer("done"), episode="b")
+    other["id"] = first[0]["id"]  # same id, other content, other episode
+    f.write(other)
+    f.tool_loop("c", turns=1)
+    f.close()
+    s = run(tmp_path, retok, missing_reward="keep")
+    assert s.skipped["duplicate_record"] == 1
+    assert {e["episode_id"] for e in rows(tmp_path, "SELECT episode_id FROM episodes")} == {"a", "c"}
+    segs = [trainable_segments(x["input_ids"], x["loss_mask"])
+            for x in rows(tmp_path, "SELECT * FROM samples ORDER BY episode_id")]
+    assert segs == [f.completions[:2], f.completions[3:]]
+
+
+def test_an_episode_that_cannot_be_rebuilt_is_skipped_not_the_run(tmp_path, retok):
+    f = FlowFactory(tmp_path / "flows", seed=14)
+    f.tool_loop("a", turns=2)
+    f.tool_loop("b", turns=1)
+    f.close()
+    run(tmp_path, retok, missing_reward="keep")
+    con = __import__("duckdb").connect(str(tmp_path / "db.duckdb"))
+    con.execute("UPDATE call_tokens SET prefix_call_id = 'gone' WHERE episode_id = 'a' AND prefix_call_id IS NOT NULL")
+    con.close()
+    s = run(tmp_path, retok, missing_reward="keep", train_roles=["agent", "validator"])  # rebuilds every episode
+    assert s.skipped["episode_failed"] == 1 and s.episodes == 1
+    [skip] = rows(tmp_path, "SELECT * FROM skipped")
+    assert skip["file_id"] == "episode:a" and "gone" in skip["detail"]
+    assert [e["episode_id"] for e in rows(tmp_path, "SELECT episode_id FROM episodes")] == ["b"]
