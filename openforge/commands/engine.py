@@ -26,8 +26,18 @@ def engine(
                                       "template that turns <tool_call> output into tool_calls), gguf (the file's "
                                       "own template), or the path of a Jinja template file."),
     log: Optional[Path] = typer.Option(None, "--log", help="Write llama.cpp's log to this file."),
+    backend: str = typer.Option("llamacpp", "--backend", help="llamacpp (embedded, the default) or vllm (real "
+                                "vLLM's CPU build from `make setup-vllm`, serving the GGUF converted to a "
+                                "Hugging Face directory; uses --gguf, --port, --ctx, --log)."),
 ) -> None:
     """Serve a GGUF with llama.cpp's OpenAI/Anthropic-compatible server until Ctrl-C or SIGTERM."""
+    if backend == "vllm":
+        from openforge.vllm_engine import serve_cli
+
+        raise typer.Exit(serve_cli(gguf, port=port, max_model_len=ctx, log=log, echo=typer.echo))
+    if backend != "llamacpp":
+        typer.echo(f"error: --backend must be llamacpp or vllm, not {backend!r}", err=True)
+        raise typer.Exit(2)
     from openforge.engine import EmbeddedEngine, EngineError
     from openforge.models import ModelNotFound
 
