@@ -64,6 +64,33 @@ def gpu_command(model_dir: Path, name: str, max_model_len: int) -> str:
                        "--host", "127.0.0.1", "--port", "8000"])
 
 
+def reload_weights(url: str, weights_dir: Path | str, timeout: float = 600.0) -> float:
+    """Serve the weights in `weights_dir` (a Hugging Face directory of the same architecture) from the
+    running server at `url`, without a restart; the seconds it took.
+
+    Needs the server's development mode (`VLLM_SERVER_DEV_MODE=1`). New requests wait while in-flight
+    ones finish (`/pause?mode=wait`); the prefix cache is dropped, since its KV was computed with the
+    old weights.
+    """
+    with httpx.Client(base_url=url, timeout=timeout) as http:
+        started = time.monotonic()
+        _dev_post(http, "/pause?mode=wait")
+        try:
+            _dev_post(http, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+            _dev_post(http, "/reset_prefix_cache")
+        finally:
+            _dev_post(http, "/resume")
+        return time.monotonic() - started
+
+
+def _dev_post(http: httpx.Client, path: str, body: dict | None = None) -> None:
+    answer = http.post(path, json=body)
+    if answer.status_code == 404:
+        raise EngineError(f"{http.base_url} has no {path.split('?')[0]}: start vLLM with VLLM_SERVER_DEV_MODE=1")
+    if answer.status_code != 200:
+        raise EngineError(f"{path} answered {answer.status_code}: {answer.text[:300]}")
+
+
 class VllmEngine:
     """A vLLM OpenAI-compatible server child process on 127.0.0.1; `with VllmEngine(dir) as eng: eng.url`.
 

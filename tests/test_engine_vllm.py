@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import numpy as np
 import openai
 import pytest
 
 from addons.flowfile import open_flow_file
 from examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
-from openforge.vllm_engine import VLLM_VENV
+from openforge.vllm_engine import VLLM_VENV, reload_weights
 from tests.conftest import ROOT
 
 pytestmark = [
@@ -53,7 +55,7 @@ class Server:
     """`openforge engine --backend vllm --port 0` as a user runs it; `lines` is everything it printed."""
 
     def __init__(self, log: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_SERVER_DEV_MODE": "1"}  # for the reload test
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "openforge.cli", "engine", "--backend", "vllm", "--port", "0", "--log", str(log)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -309,6 +311,40 @@ def test_vllm_reconstruct_is_token_exact(proxy: Any, tmp_path: Path) -> None:
     assert mismatched == 0 and prompt_mismatched == 0 and checked > 0
     for sid, (_, mask, _) in samples.items():  # nothing trainable that vLLM did not generate
         assert np.array_equal(mask, expected_mask[sid]), sid
+
+
+def first_token_logprobs(url: str) -> dict[str, float]:
+    """The top-5 logprobs of the next token after a fixed prompt, straight from vLLM."""
+    body = {"model": MODEL, "prompt": "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n",
+            "max_tokens": 1, "temperature": 0, "logprobs": 5}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
+    return answer["choices"][0]["logprobs"]["top_logprobs"][0]
+
+
+def test_vllm_reload_serves_new_weights(server: Server, tmp_path: Path) -> None:
+    """`reload_weights` swaps the weights of the running server: a checkpoint with the final norm halved
+    (logits halved) changes the logprobs of a fixed prompt as the checkpoint does; the original back
+    restores them."""
+    from safetensors.torch import load_file, save_file
+
+    from openforge.models import hf_dir
+
+    original = hf_dir()
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(original, ckpt, ignore=shutil.ignore_patterns("model.safetensors"))
+    weights = load_file(original / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 0.5
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    before = first_token_logprobs(server.url)
+    seconds = reload_weights(server.url, ckpt)
+    after = first_token_logprobs(server.url)
+    reload_weights(server.url, original)
+    restored = first_token_logprobs(server.url)
+    print(f"\nvLLM weight reload: {seconds:.1f} s; top logprob {max(before.values()):.3f} -> "
+          f"{max(after.values()):.3f} -> {max(restored.values()):.3f}")
+    assert max(after.values()) < max(before.values()) - 0.05  # halved logits: a flatter distribution
+    assert restored.keys() == before.keys()
+    assert all(abs(restored[k] - before[k]) < 1e-3 for k in before)
 
 
 def test_vllm_cli_sigterm_stops_every_process(server: Server) -> None:
