@@ -35,7 +35,7 @@ def vllm_python() -> Path:
     """The interpreter of the vLLM environment; EngineError telling how to make it when it is absent."""
     python = VLLM_VENV / "bin" / "python"
     if not (VLLM_VENV / ".setup-done").is_file() or not python.exists():
-        raise EngineError(f"vLLM is not installed in {VLLM_VENV}: run `make setup-vllm` (about 2 GB, a few minutes)")
+        raise EngineError(f"vLLM is not installed in {VLLM_VENV}: run `make setup-vllm` (3.5 GB, several minutes)")
     return python
 
 
