@@ -180,6 +180,8 @@ def test_vllm_completions_sdk(proxy: Any) -> None:
     prompt = "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n"
     done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS)
     assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= MAX_TOKENS
+    assert not {"prompt_token_ids", "token_ids"} & set(done.choices[0].model_extra or {})  # removed by the proxy
+    assert done.choices[0].logprobs is None
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, stream=True))
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
 
