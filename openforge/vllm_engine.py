@@ -1,0 +1,288 @@
+"""Real vLLM (its CPU build, `make setup-vllm`) serving a Hugging Face model directory on 127.0.0.1.
+
+vLLM lives in its own environment (`.venv-vllm`): its pins would fight the main one's. The server is
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU wheel looks up
+package metadata named `vllm` and fails), started in its own process group because it spawns an engine
+core process: stopping signals the whole group, so no process outlives `stop()`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from openforge.engine import EngineError, die_with_parent, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = ROOT / ".venv-vllm"
+TOOL_CALL_PARSER = "hermes"  # the ChatML template's `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+
+Progress = Callable[[float, str], None]
+# `(EngineCore pid=123) INFO 12-03 15:57:03 [model.py:2152] ` before each message of vLLM's log
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s*)?(\w+ \d\d-\d\d [\d:]+ \[[^\]]*\]\s*)?")
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM environment; EngineError telling how to make it when it is absent."""
+    python = VLLM_VENV / "bin" / "python"
+    if not (VLLM_VENV / ".setup-done").is_file() or not python.exists():
+        raise EngineError(f"vLLM is not installed in {VLLM_VENV}: run `make setup-vllm` (3.5 GB, several minutes)")
+    return python
+
+
+def chat_template_file(model_dir: Path) -> Path:
+    """The model directory's own chat template file (for the demo model: the ChatML tool template)."""
+    path = model_dir / "chat_template.jinja"
+    if not path.is_file():
+        raise EngineError(f"{model_dir} has no chat_template.jinja: pass a model directory with a tool template")
+    return path
+
+
+def serve_flags(model_dir: Path, name: str, max_model_len: int) -> list[str]:
+    """The flags that matter for recording, the same on a CPU here and on a GPU in production."""
+    return [
+        "--served-model-name", name,
+        "--max-model-len", str(max_model_len),
+        "--chat-template", str(chat_template_file(model_dir)),
+        "--enable-auto-tool-choice", "--tool-call-parser", TOOL_CALL_PARSER,
+        "--generation-config", "vllm",  # sampling defaults are vLLM's, not the model's: the policy's own distribution
+    ]  # fmt: skip
+
+
+def gpu_command(model_dir: Path, name: str, max_model_len: int) -> str:
+    """The `vllm serve` line a user runs on a GPU machine for the same setup."""
+    return shlex.join(["vllm", "serve", str(model_dir), *serve_flags(model_dir, name, max_model_len),
+                       "--host", "127.0.0.1", "--port", "8000"])
+
+
+def reload_weights(url: str, weights_dir: Path | str, timeout: float = 600.0) -> float:
+    """Serve the weights in `weights_dir` (a Hugging Face directory of the same architecture) from the
+    running server at `url`, without a restart; the seconds it took.
+
+    Needs the server's development mode (`VLLM_SERVER_DEV_MODE=1`). New requests wait while in-flight
+    ones finish (`/pause?mode=wait`); the prefix cache is dropped, since its KV was computed with the
+    old weights.
+    """
+    with httpx.Client(base_url=url, timeout=timeout) as http:
+        started = time.monotonic()
+        _dev_post(http, "/pause?mode=wait")
+        try:
+            _dev_post(http, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+            _dev_post(http, "/reset_prefix_cache")
+        finally:
+            _dev_post(http, "/resume")
+        return time.monotonic() - started
+
+
+def _dev_post(http: httpx.Client, path: str, body: dict | None = None) -> None:
+    answer = http.post(path, json=body)
+    if answer.status_code == 404:
+        raise EngineError(f"{http.base_url} has no {path.split('?')[0]}: start vLLM with VLLM_SERVER_DEV_MODE=1")
+    if answer.status_code != 200:
+        raise EngineError(f"{path} answered {answer.status_code}: {answer.text[:300]}")
+
+
+class VllmEngine:
+    """A vLLM OpenAI-compatible server child process on 127.0.0.1; `with VllmEngine(dir) as eng: eng.url`.
+
+    `dev_mode` mounts vLLM's development endpoints (weight reload, sleep, pause), which must never face
+    the network. The first start compiles the model (minutes on 2 cores, cached in `~/.cache/vllm`).
+    """
+
+    def __init__(
+        self,
+        model_dir: Path | str | None = None,
+        *,
+        port: int = 0,
+        name: str = "smollm2",
+        max_model_len: int = 8192,
+        kv_cache_gib: int = 1,
+        threads: int | None = None,
+        dev_mode: bool = False,
+        log_path: Path | str | None = None,
+        ready_timeout: float = 900.0,
+        stop_timeout: float = 30.0,
+    ) -> None:
+        if model_dir is None:
+            from openforge.models import hf_dir
+
+            model_dir = hf_dir()
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise EngineError(f"not a Hugging Face model directory (no config.json): {self.model_dir}")
+        chat_template_file(self.model_dir)
+        self.python = vllm_python()
+        self.port = port or free_port()
+        self.name, self.max_model_len, self.kv_cache_gib = name, max_model_len, kv_cache_gib
+        self.threads, self.dev_mode = threads, dev_mode
+        self.log_path = Path(log_path) if log_path else None
+        self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+            *serve_flags(self.model_dir, self.name, self.max_model_len),
+        ]  # fmt: skip
+
+    def gpu_command(self) -> str:
+        return gpu_command(self.model_dir, self.name, self.max_model_len)
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        # VLLM_USE_AOT_COMPILE=0: on CPU, 0.32 cannot load its own AOT artifacts ("'function' object has no
+        # attribute 'finalize_loading'") and recompiled at every start
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   DO_NOT_TRACK="1", VLLM_USE_AOT_COMPILE="0")
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        return env
+
+    def start(self, progress: Progress | None = None, every: float = 15.0) -> VllmEngine:
+        """Start the server and wait until /health answers 200; `progress(elapsed, last log line)` every
+        `every` seconds meanwhile."""
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")
+        out = self._log_file or subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+            env=self.env(), preexec_fn=die_with_parent,
+        )
+        try:
+            self._wait_ready(progress, every)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, progress: Progress | None, every: float) -> None:
+        assert self.proc is not None
+        started = time.monotonic()
+        next_report = started + every
+        with httpx.Client(timeout=1.0) as http:  # one client: a new one per poll costs CPU the compile needs
+            while (now := time.monotonic()) < started + self.ready_timeout:
+                code = self.proc.poll()
+                if code is not None:
+                    where = f" (log: {self.log_path})" if self.log_path else ""
+                    raise EngineError(f"vLLM exited with code {code} while loading {self.model_dir}{where}: "
+                                      f"{self.last_log_line()}")
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if progress and now >= next_report:
+                    progress(now - started, self.last_log_line())
+                    next_report = now + every
+                time.sleep(1.0)
+        raise EngineError(f"vLLM not ready after {self.ready_timeout:.0f} s: {self.last_log_line()}")
+
+    def last_log_line(self) -> str:
+        """The message of the server log's last line, without vLLM's process / level / time / source
+        prefix ('' without a log): what the server is doing while it loads."""
+        if not self.log_path or not self.log_path.is_file():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+        return _LOG_PREFIX.sub("", lines[-1])[:160] if lines else ""
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group (server and engine core), SIGKILL what lingers; safe twice."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            _wait_group_gone(proc.pid, self.stop_timeout)
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> VllmEngine:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` is still running (zombies, already dead, do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def serve_cli(gguf: Path | None, port: int, max_model_len: int, log: Path | None,
+              echo: Callable[..., None]) -> int:
+    """`openforge engine --backend vllm`: serve the GGUF's Hugging Face directory until Ctrl-C or SIGTERM;
+    the exit code (2: bad input, 1: the server failed)."""
+    from openforge.models import ModelNotFound, hf_dir
+
+    log = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"openforge-vllm-{os.getpid()}.log"
+    try:
+        eng = VllmEngine(hf_dir(gguf), port=port, max_model_len=max_model_len, log_path=log)
+    except (EngineError, ModelNotFound, OSError) as e:
+        echo(f"error: {e}", err=True)
+        return 2
+    echo(f"starting vLLM on {eng.url} (log: {log}); the first start compiles the model, minutes on a small CPU")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM unwinds like Ctrl-C, stopping the server
+    try:
+        eng.start(progress=lambda t, line: echo(f"  {t:4.0f} s  {line}"))
+        echo(f"ready at {eng.url}  (model {eng.name}; OpenAI base URL {eng.url}/v1)")
+        echo(f"on a GPU, the same setup: {eng.gpu_command()}")
+        while eng.proc is not None and eng.proc.poll() is None:
+            time.sleep(0.5)
+        echo("error: the vLLM process exited", err=True)
+        return 1
+    except EngineError as e:
+        echo(f"error: {e}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        eng.stop()
+    echo("engine stopped")
+    return 0
