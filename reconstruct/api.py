@@ -317,9 +317,7 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
             if not isinstance(episode, str) or not episode:
                 raise BadReward(f"episode {episode!r:.80} is not an episode id")
         except BadReward as e:
-            bufs["skipped"].add(file_id=file_id, record_id=rec.get("id"), reason="bad_reward",
-                                detail=f"{e} (episode {rec.get('episode')!r:.80})")
-            summary.skipped["bad_reward"] += 1
+            _skip(bufs, summary, file_id, rec.get("id"), "bad_reward", f"{e} (episode {rec.get('episode')!r:.80})")
             return
         meta = rec.get("metadata")
         bufs["rewards"].add(
@@ -386,7 +384,7 @@ def _ingest_record(rec, file_id, retok, linker, hasher, prefixes, run, bufs, sum
         bufs["call_images"].add(call_id=call.call_id, sha256=img.sha256)
     summary.calls += 1
     summary.calls_by_role[role] += 1
-    summary.calls_prompt_mismatch += check == "mismatch"
+    summary.calls_prompt_mismatch += int(check == "mismatch")
     if source == "engine":
         summary.calls_engine_ids += 1
     elif source == "mixed":
