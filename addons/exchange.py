@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-from addons import profiles, translate, wire
+from . import profiles, translate, wire
 
 
 class Exchange:

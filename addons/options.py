@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from addons import access
+from . import access
 
 PROFILES = ("auto", "vllm", "sglang", "llamacpp", "generic")
 REWARD_POLICIES = ("last", "first")

@@ -11,6 +11,7 @@ import json
 import urllib.request
 from typing import Any
 
+
 def detect(models_url: str, key: str, timeout: float = 3.0) -> str | None:
     """Profile from the engine's GET /v1/models (`owned_by`) or `Server` header; None if unreachable."""
     req = urllib.request.Request(models_url, headers={"Authorization": f"Bearer {key}"} if key else {})

@@ -36,9 +36,9 @@ from mitmproxy import http  # noqa: E402
 from mitmproxy.proxy.mode_specs import ReverseMode  # noqa: E402
 from mitmproxy.test import taddons, tflow  # noqa: E402
 
-from addons import options  # noqa: E402
-from addons.openforge import OpenForge  # noqa: E402
 from bench.proxy_overhead import ASK_IDS, LONG_MESSAGES, MESSAGES  # noqa: E402
+from openforge.addons import options  # noqa: E402
+from openforge.addons.proxy import OpenForge  # noqa: E402
 from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
 
 HOOKS = ("request", "responseheaders", "response", "record")

@@ -30,8 +30,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS  # noqa: E402
 from openforge.engine import free_port  # noqa: E402
+from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS  # noqa: E402
 from openforge.models import hf_dir  # noqa: E402
 from openforge.vllm_engine import VllmEngine, reload_weights  # noqa: E402
 

@@ -42,7 +42,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -360,7 +359,7 @@ def field_check(path: Path_) -> dict[str, str]:
             result[label + " (SSE)"] = seen({"c": chunks})
     result["record"] = "n/a"
     if path.flow_dir is not None:
-        from addons.flowfile import expand_paths, open_flow_file
+        from openforge.addons.flowfile import expand_paths, open_flow_file
 
         time.sleep(0.5)  # an older addon (--baseline-addon) may write a record just after its answer
         recs = [r for f in expand_paths([path.flow_dir]) for r in open_flow_file(f).records()

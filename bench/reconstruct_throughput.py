@@ -52,9 +52,9 @@ def make_corpus(directory: Path, episodes: int, turns: int, engine_ids: bool) ->
 
 def texts_of(directory: Path) -> list[str]:
     """The prompt and completion text of every call: what a retokenising reconstruct has to encode."""
-    from addons.flowfile import expand_paths, open_flow_file
-    from reconstruct.protocols import parse_record
-    from reconstruct.tokenize import template_message
+    from openforge.addons.flowfile import expand_paths, open_flow_file
+    from openforge.reconstruct.protocols import parse_record
+    from openforge.reconstruct.tokenize import template_message
     from tests.support.reconstruct_flows import qwen_tokenizer
 
     tok, out = qwen_tokenizer(), []
@@ -69,8 +69,8 @@ def texts_of(directory: Path) -> list[str]:
 
 def child(kind: str, episodes: int, turns: int) -> None:
     """One measurement in a fresh process, so peak RSS belongs to it alone."""
-    from reconstruct import reconstruct
-    from reconstruct.tokenize import Retokenizer
+    from openforge.reconstruct import reconstruct
+    from openforge.reconstruct.tokenize import Retokenizer
     from tests.support.reconstruct_flows import db_rows, qwen_tokenizer
 
     tok = qwen_tokenizer()

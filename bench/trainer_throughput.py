@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trainer.config import TrainConfig
-from trainer.data import Sample
-from trainer.packing import Row, coefficients, make_row, plan_rows
-from trainer.train import forward_loss
+from openforge.trainer.config import TrainConfig
+from openforge.trainer.data import Sample
+from openforge.trainer.packing import Row, coefficients, make_row, plan_rows
+from openforge.trainer.train import forward_loss
 
 
 def agent_lengths(n: int, row_tokens: int, rng: np.random.Generator) -> np.ndarray:

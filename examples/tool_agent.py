@@ -5,24 +5,23 @@ the path, so every call of the episode is recorded under it. The conversation st
 example (a calculator call, its result, the answer) because a 135M model calls tools only when it has
 seen a tool call earlier in the conversation.
 
-    python -m examples.tool_agent --proxy http://127.0.0.1:8080 --attempts 2
+    python -m openforge.examples.tool_agent --proxy http://127.0.0.1:8080 --attempts 2
 """
 
 from __future__ import annotations
-
-import os
 
 import argparse
 import ast
 import json
 import operator
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from examples.tasks import TASKS, Task
+from openforge.examples.tasks import TASKS, Task
 
 SYSTEM = "You are a careful assistant. Use the calculator tool for arithmetic, then reply with the number only."
 TOOLS = [
@@ -192,9 +191,9 @@ def run_batch(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from examples.verifier import report, score
+    from openforge.examples.verifier import report, score
 
-    parser = argparse.ArgumentParser(prog="python -m examples.tool_agent", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m openforge.examples.tool_agent", description=__doc__.split("\n\n")[0])
     parser.add_argument("--proxy", required=True, help="OpenForge proxy base URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--tasks", type=int, default=len(TASKS), help="how many tasks of the task set")
     parser.add_argument("--attempts", type=int, default=2, help="episodes per task (GRPO group size)")

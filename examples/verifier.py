@@ -9,12 +9,11 @@ call) plus up to 0.25 for a final number close to the answer.
 from __future__ import annotations
 
 import os
-
 import re
 
 import httpx
 
-from examples.tool_agent import Episode
+from openforge.examples.tool_agent import Episode
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

@@ -166,9 +166,9 @@ class Demo:
 
     def run_episodes(self, n_tasks: int | None = None, attempts: int | None = None, name: str = "episodes") -> list[Any]:
         """The example agent through the proxy; the verifier posts each reward to the proxy."""
-        from examples.tasks import TASKS
-        from examples.tool_agent import run_batch
-        from examples.verifier import report, score
+        from openforge.examples.tasks import TASKS
+        from openforge.examples.tool_agent import run_batch
+        from openforge.examples.verifier import report, score
 
         assert self.proxy is not None
         tasks = TASKS[: n_tasks if n_tasks is not None else self.cfg.tasks]
@@ -191,7 +191,7 @@ class Demo:
 
     def reconstruct(self) -> None:
         from openforge.models import load_tokenizer
-        from reconstruct import reconstruct
+        from openforge.reconstruct import reconstruct
 
         with self.stage("reconstruct", "reconstruct flow files into DuckDB"):
             tokenizer = load_tokenizer(self.gguf)  # with the chat template the engine rendered prompts with
@@ -232,9 +232,9 @@ class Demo:
     def train(self) -> None:
         import torch
 
-        from trainer.config import ConfigError, load_config
-        from trainer.data import DataError
-        from trainer.train import train
+        from openforge.trainer.config import ConfigError, load_config
+        from openforge.trainer.data import DataError
+        from openforge.trainer.train import train
 
         train_out = self.out / "train"
         t0 = time.perf_counter()

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from addons.options import Route
-from addons.wire import mask
+from openforge.addons.options import Route
+from openforge.addons.wire import mask
 
 PROMPT = "Reply with the single word OK."
 MAX_TOKENS = 16

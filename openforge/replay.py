@@ -22,15 +22,16 @@ import json
 import statistics
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from addons import profiles, wire
-from addons.flowfile import expand_paths, open_flow_file
+from openforge.addons import profiles, wire
+from openforge.addons.flowfile import expand_paths, open_flow_file
 
 Side = Literal["client", "engine"]
 LLM_PROTOCOLS = ("chat", "completions", "responses", "anthropic")

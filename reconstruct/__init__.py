@@ -1,5 +1,5 @@
 """Flow files -> token-exact training samples in DuckDB (see docs/reconstruct.md)."""
 
-from reconstruct.api import Summary, reconstruct
+from openforge.reconstruct.api import Summary, reconstruct
 
 __all__ = ["Summary", "reconstruct"]

@@ -12,27 +12,33 @@ import hashlib
 import json
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import msgpack
 import numpy as np
 import pyarrow as pa
 
-from addons.flowfile import UnsupportedVersion, expand_paths, open_flow_file, pack
-from reconstruct import store
-from reconstruct.drift import classify
-from reconstruct.episodes import ChainHasher, Linker
-from reconstruct.mitm_flows import MitmFile, is_mitm_file
-from reconstruct.prefixes import PrefixSplitter, expand, int32
-from reconstruct.protocols import Call, RawIds, Skip, parse_record
-from reconstruct.rewards import (
-    RESOLVED_REWARDS_SQL, BadReward, MissingReward, advantage_sql, check_reward, read_rewards_file,
+from openforge.addons.flowfile import UnsupportedVersion, expand_paths, open_flow_file, pack
+from openforge.reconstruct import store
+from openforge.reconstruct.drift import classify
+from openforge.reconstruct.episodes import ChainHasher, Linker
+from openforge.reconstruct.mitm_flows import MitmFile, is_mitm_file
+from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
+from openforge.reconstruct.protocols import Call, RawIds, Skip, parse_record
+from openforge.reconstruct.rewards import (
+    RESOLVED_REWARDS_SQL,
+    BadReward,
+    MissingReward,
+    advantage_sql,
+    check_reward,
+    read_rewards_file,
 )
-from reconstruct.tokenize import Retokenizer, load_tokenizer
-from reconstruct.trajectories import DRIFT_CLASSES, TreeCall, build_tree, chains, near_misses
+from openforge.reconstruct.tokenize import Retokenizer, load_tokenizer
+from openforge.reconstruct.trajectories import DRIFT_CLASSES, TreeCall, build_tree, chains, near_misses
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 FLUSH_EVERY = 256
@@ -304,7 +310,7 @@ def _mark_read(con, file_id: str, path: Path, n_records: int, n_bytes: int, torn
     """Record how far a file was read (n_bytes -1: part of it, the next run goes on after n_records)."""
     con.execute(
         "INSERT OR REPLACE INTO ingested_files VALUES (?, ?, ?, ?, ?, ?)",
-        [file_id, str(path), n_records, n_bytes, torn_tail, datetime.now(timezone.utc)],
+        [file_id, str(path), n_records, n_bytes, torn_tail, datetime.now(UTC)],
     )
 
 
@@ -478,7 +484,7 @@ def _rebuild(con, retok, touched: set, policy, advantage: str, group_by: str, bu
         episodes = store.Buffer(con, "episodes", EPISODE_COLUMNS)
         owners = store.Buffer(con, "_owners", ["call_id", "sample_id"])
         con.execute("CREATE OR REPLACE TEMP TABLE _owners (call_id VARCHAR, sample_id VARCHAR)")
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         done = 0
         for episode_id, rows in _episode_rows(con):
             done += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reconstruct.tokenize import Retokenizer, template_message
+from openforge.reconstruct.tokenize import Retokenizer, template_message
 
 
 def classify(retok: Retokenizer, prev: dict[str, Any], call: dict[str, Any], prev_ids: list[int]) -> str:

@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any
 
-from reconstruct.tokenize import stable_json
+from openforge.reconstruct.tokenize import stable_json
 
 
 def _h(prev: str, item: str) -> str:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 _EPISODE_PATH = re.compile(r"^/e/([^/]+)(/.*)$")
 SESSION_HEADERS = (

@@ -12,10 +12,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-from addons.profiles import cut_prompt_ids
+from openforge.addons.profiles import cut_prompt_ids
 
 try:
     import orjson

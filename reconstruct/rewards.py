@@ -5,11 +5,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from addons.flowfile import MAX_ABS_REWARD
+from openforge.addons.flowfile import MAX_ABS_REWARD
 
 ADVANTAGES = ("grpo", "grpo-no-std", "rloo")
 GROUPINGS = ("task", "task-toolchain")
@@ -28,7 +29,7 @@ class MissingReward:
     value: float | None = None
 
     @classmethod
-    def parse(cls, text: str | None) -> "MissingReward | None":
+    def parse(cls, text: str | None) -> MissingReward | None:
         if text is None:
             return None
         if text in ("drop", "keep"):

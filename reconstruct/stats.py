@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from reconstruct.trajectories import DRIFT_CLASSES
+from openforge.reconstruct.trajectories import DRIFT_CLASSES
 
 
 def collect(db: str | Path) -> dict[str, Any]:

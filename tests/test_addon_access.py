@@ -10,9 +10,9 @@ import httpx
 import pytest
 from mitmproxy.test import taddons
 
-from addons import options
-from addons.flowfile import expand_paths, open_flow_file
-from addons.openforge import OpenForge
+from openforge.addons import options
+from openforge.addons.flowfile import expand_paths, open_flow_file
+from openforge.addons.proxy import OpenForge
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
@@ -148,7 +148,7 @@ def test_allowed_paths_are_forwarded_with_a_client_token(proxy: Any, engine: Any
 
 
 def test_open_listen_address_without_tokens_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from addons import access
+    from openforge.addons import access
 
     addon = OpenForge()
     with taddons.context(addon) as tctx:
@@ -166,7 +166,7 @@ def test_open_listen_address_without_tokens_is_warned_about(tmp_path: Path, capl
 
 
 def test_token_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from addons import access
+    from openforge.addons import access
 
     base = {"openforge_upstream_url": "http://127.0.0.1:9", "openforge_flow_dir": str(tmp_path)}
     tokens = tmp_path / "tokens"

@@ -13,7 +13,7 @@ import httpx
 import typer
 from typer.testing import CliRunner
 
-from addons.flowfile import FlowWriter
+from openforge.addons.flowfile import FlowWriter
 from openforge.commands import flows
 from tests.conftest import ROOT, free_port
 from tests.support.scripted_engine import ScriptedEngine

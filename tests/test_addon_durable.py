@@ -18,9 +18,9 @@ from mitmproxy import http
 from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.test import taddons, tflow
 
-from addons import options
-from addons.flowfile import FlowWriter, expand_paths, open_flow_file
-from addons.openforge import OpenForge
+from openforge.addons import options
+from openforge.addons.flowfile import FlowWriter, expand_paths, open_flow_file
+from openforge.addons.proxy import OpenForge
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from addons.flowfile import expand_paths, open_flow_file
+from openforge.addons.flowfile import expand_paths, open_flow_file
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon

@@ -13,10 +13,10 @@ from mitmproxy import http
 from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.test import taddons, tflow
 
-import addons.openforge
-from addons import options
-from addons.flowfile import expand_paths, open_flow_file
-from addons.openforge import OpenForge
+import openforge.addons.proxy
+from openforge.addons import options
+from openforge.addons.flowfile import expand_paths, open_flow_file
+from openforge.addons.proxy import OpenForge
 
 pytestmark = pytest.mark.addon
 
@@ -60,7 +60,7 @@ def test_records_precede_the_answer_and_a_failing_one_spares_the_rest(
     def broken(chunks: Any) -> bool:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(addons.openforge, "stream_has_token_ids", broken)
+    monkeypatch.setattr(openforge.addons.proxy, "stream_has_token_ids", broken)
 
     async def run() -> list[dict[str, Any]]:
         addon = OpenForge()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from addons import options, profiles, wire
+from openforge.addons import options, profiles, wire
 
 pytestmark = pytest.mark.addon
 

@@ -11,8 +11,8 @@ import os
 import httpx
 import pytest
 
-from examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
 from openforge.engine import EmbeddedEngine, EngineError
+from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
 from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf, hf_dir, load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def tokenizer():
     """The tokenizer of the converted model directory: what `openforge reconstruct --tokenizer` is given."""
-    from reconstruct.tokenize import load_tokenizer as load_directory
+    from openforge.reconstruct.tokenize import load_tokenizer as load_directory
 
     return load_directory(hf_dir())
 
@@ -145,7 +145,7 @@ def test_engine_llamacpp_export_carries_the_template_the_engine_serves(tmp_path)
     own template (what llama.cpp then serves), not the default tool template."""
     from openforge.commands.engine import _export_hf
     from openforge.models import gguf_chat_template
-    from reconstruct.tokenize import load_tokenizer as load_directory
+    from openforge.reconstruct.tokenize import load_tokenizer as load_directory
 
     own = gguf_chat_template(default_gguf())
     assert own and own != CHATML_TOOLS_TEMPLATE

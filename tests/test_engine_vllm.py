@@ -31,8 +31,8 @@ import numpy as np
 import openai
 import pytest
 
-from addons.flowfile import open_flow_file
-from examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
+from openforge.addons.flowfile import open_flow_file
+from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
 from openforge.vllm_engine import VLLM_VENV, reload_weights
 from tests.conftest import ROOT
 
@@ -278,7 +278,7 @@ def test_vllm_reconstruct_is_token_exact(proxy: Any, tmp_path: Path) -> None:
     import duckdb
 
     from openforge.models import hf_dir
-    from reconstruct import reconstruct
+    from openforge.reconstruct import reconstruct
 
     oai(proxy, "reconstruct-1").chat.completions.create(model=MODEL, messages=ask("What is 8 - 3?"),
                                                         max_tokens=MAX_TOKENS)  # something to check when run alone

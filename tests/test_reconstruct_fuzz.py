@@ -15,8 +15,9 @@ import math
 import os
 import shutil
 import urllib.request
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -24,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from addons.flowfile import pack
-from reconstruct import reconstruct, store
-from reconstruct.api import Summary
-from reconstruct.protocols import sse_events
+from openforge.addons.flowfile import pack
+from openforge.reconstruct import reconstruct, store
+from openforge.reconstruct.api import Summary
+from openforge.reconstruct.protocols import sse_events
 from tests.support.reconstruct_fixtures import qwen_tok, retok  # noqa: F401 - session fixtures
 from tests.support.reconstruct_flows import BASH, db_rows, qwen_path
 from tests.support.scripted_engine import ScriptedEngine

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
+import typer
 from typer.testing import CliRunner
 
-from reconstruct.protocols import parse_record
-
-import typer
+from openforge.reconstruct.protocols import parse_record
 
 
 def sse(events: list[tuple[str, dict]]) -> list[list]:
@@ -92,7 +91,7 @@ def test_reconstruct_reads_mitmproxy_w_files(tmp_path):
     from mitmproxy import io
     from mitmproxy.test import tflow
 
-    from reconstruct import reconstruct
+    from openforge.reconstruct import reconstruct
     from tests.support.reconstruct_flows import db_rows, qwen_retokenizer
 
     messages = [{"role": "user", "content": "hi"}]
@@ -145,7 +144,7 @@ def test_reconstruct_cli_and_stats(tmp_path):
 
 def test_llamacpp_logprob_ids_trusted_only_when_one_per_token():
     """llama.cpp merges the logprobs entries of tokens that end mid-character: then they are not the ids."""
-    from reconstruct.protocols import _parse_chat
+    from openforge.reconstruct.protocols import _parse_chat
 
     def answer(n_tokens: int) -> bytes:
         lp = [{"id": 5, "token": "a", "logprob": -0.1}, {"id": 249, "token": "🌟", "logprob": -0.2}]

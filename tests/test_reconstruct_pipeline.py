@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from reconstruct import reconstruct
+from openforge.reconstruct import reconstruct
 from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows, trainable_segments
 
@@ -202,7 +202,7 @@ def test_reconstruct_reingest_adds_nothing_and_growth_rebuilds(tmp_path, retok):
 def test_reconstruct_pass2_chunking_changes_nothing(tmp_path, retok, monkeypatch):
     """Pass 2 reads episodes in chunks and flushes samples while reading: one episode per read and a
     flush after every sample must give the very rows the defaults give."""
-    import reconstruct.api as api
+    import openforge.reconstruct.api as api
 
     f = FlowFactory(tmp_path / "a" / "flows", seed=12)
     for n in range(3):

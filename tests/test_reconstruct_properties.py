@@ -11,9 +11,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reconstruct import reconstruct
-from reconstruct.episodes import ChainHasher, chain_hashes, loose_message, strict_message
-from reconstruct.trajectories import TreeCall, build_tree, chains
+from openforge.reconstruct import reconstruct
+from openforge.reconstruct.episodes import ChainHasher, chain_hashes, loose_message, strict_message
+from openforge.reconstruct.trajectories import TreeCall, build_tree, chains
 from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import FlowFactory, db_rows, trainable_segments
 

@@ -11,10 +11,10 @@ import duckdb
 import numpy as np
 import pytest
 
-import reconstruct.api as api
-from reconstruct import protocols, reconstruct
-from reconstruct.prefixes import PrefixSplitter, expand, int32
-from reconstruct.protocols import RawIds
+import openforge.reconstruct.api as api
+from openforge.reconstruct import protocols, reconstruct
+from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
+from openforge.reconstruct.protocols import RawIds
 from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import FlowFactory, db_rows
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from reconstruct import reconstruct
-from reconstruct.stats import collect
+from openforge.reconstruct import reconstruct
+from openforge.reconstruct.stats import collect
 from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
 

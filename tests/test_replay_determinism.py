@@ -17,8 +17,8 @@ import duckdb
 import openai
 import pytest
 
+from openforge.reconstruct import reconstruct
 from openforge.replay import ReplayIndex, ReplayServer, drive, load_exchanges
-from reconstruct import reconstruct
 from tests.support.reconstruct_flows import qwen_retokenizer
 from tests.support.toolchain_engine import ToolchainEngine
 

@@ -62,8 +62,9 @@ def test_replay_prefix_ratio() -> None:
 
 
 def test_replay_drive_cli_prints_and_writes_json(tmp_path: Path) -> None:
-    from openforge.commands import replay as cmd
     import typer
+
+    from openforge.commands import replay as cmd
 
     app = typer.Typer()
     cmd.register(app)

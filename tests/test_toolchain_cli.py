@@ -82,7 +82,7 @@ def check_run(run: CliRun, episode: str, source: str) -> None:
 def check_samples(run: CliRun, retok: Any, tmp_path: Path) -> None:
     import duckdb
 
-    from reconstruct import reconstruct
+    from openforge.reconstruct import reconstruct
 
     summary = reconstruct([run.flow_dir], tmp_path / "db.duckdb", retok, missing_reward="fill:0")
     assert summary.calls == len(run.llm_calls) and summary.calls_engine_ids == summary.calls, summary

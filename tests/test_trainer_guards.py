@@ -14,6 +14,10 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from openforge.trainer import checkpoint
+from openforge.trainer.config import ConfigError, load_config
+from openforge.trainer.data import DataError, Position
+from openforge.trainer.train import train
 from tests.support.trainer_samples import (  # noqa: F401  (fixtures)
     make_samples,
     one_torch_thread,
@@ -21,10 +25,6 @@ from tests.support.trainer_samples import (  # noqa: F401  (fixtures)
     tiny_qwen_dir,
     write_samples,
 )
-from trainer import checkpoint
-from trainer.config import ConfigError, load_config
-from trainer.data import DataError, Position
-from trainer.train import train
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_bad_samples_are_refused_before_step_1(tmp_path, tiny_qwen_dir, samples,
 
 def test_a_non_finite_loss_stops_training_without_saving(tmp_path, tiny_qwen_dir, samples, monkeypatch):
     """From step 2 on the loss is NaN: step 1's checkpoint stays, nothing of step 2 is written."""
-    import trainer.train as loop
+    import openforge.trainer.train as loop
 
     calls = []
     forward_loss = loop.forward_loss
@@ -135,7 +135,7 @@ def test_a_non_finite_loss_stops_training_without_saving(tmp_path, tiny_qwen_dir
 
 
 def test_a_non_finite_gradient_stops_training_without_saving(tmp_path, tiny_qwen_dir, samples, monkeypatch):
-    import trainer.train as loop
+    import openforge.trainer.train as loop
 
     load_model = loop.load_model
 

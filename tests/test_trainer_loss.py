@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from openforge.trainer.config import TrainConfig
+from openforge.trainer.data import Sample
+from openforge.trainer.loss import logit_positions, ppo_loss, target_logprobs, targets
+from openforge.trainer.packing import coefficients, make_row, plan_rows, shard
+from openforge.trainer.train import forward_loss, old_logprobs
 from tests.support.trainer_samples import one_torch_thread, tiny_model  # noqa: F401  (fixture)
-from trainer.config import TrainConfig
-from trainer.data import Sample
-from trainer.loss import logit_positions, ppo_loss, target_logprobs, targets
-from trainer.packing import coefficients, make_row, plan_rows, shard
-from trainer.train import forward_loss, old_logprobs
 
 VOCAB = 256
 
@@ -136,7 +136,7 @@ def test_truncated_importance_sampling_caps_the_ratio():
     loss, stats = ppo_loss(logp, behaviour, behaviour, known, adv, coef, cfg)  # old_policy = engine
     loss.backward()
     # per token: -min(r*A, clip(r)*A) with r truncated to 2.0
-    expected = [-(-0.8), -(-1.0), -(-2.0), -(1.28), -(1.1)]
+    expected = [0.8, 1.0, 2.0, -1.28, -1.1]  # -(r*A) per token
     assert loss.item() == pytest.approx(0.2 * sum(expected))
     # d/dlogp: clipped tokens none; unclipped r*A*(-coef); the truncated one is_cap*A*(-coef), not 3*A*(-coef)
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, 0.2, 0.4, 0.0, -0.22], dtype=torch.float64))

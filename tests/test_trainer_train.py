@@ -19,6 +19,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from openforge.commands import train as train_command
+from openforge.trainer.config import load_config
+from openforge.trainer.data import DataError
+from openforge.trainer.train import lr_factor, train
 from tests.support.trainer_samples import (  # noqa: F401  (fixtures)
     make_samples,
     one_torch_thread,
@@ -27,9 +30,6 @@ from tests.support.trainer_samples import (  # noqa: F401  (fixtures)
     train_on_ranks,
     write_samples,
 )
-from trainer.config import load_config
-from trainer.data import DataError
-from trainer.train import lr_factor, train
 
 
 @pytest.fixture(scope="module")

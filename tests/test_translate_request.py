@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from addons.translate import (
+from openforge.addons.translate import (
     TranslationError,
     count_tokens_request,
     count_tokens_response,

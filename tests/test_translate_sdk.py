@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 import anthropic
 import openai
 import pytest
 
-from addons.translate import error_body, request_to_chat, response_from_chat, stream_translator
+from openforge.addons.translate import error_body, request_to_chat, response_from_chat, stream_translator
 from tests.support.translate_engine import sse, tool_call_deltas, vllm_chunks
 
 pytestmark = pytest.mark.addon

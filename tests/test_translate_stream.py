@@ -13,7 +13,7 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 
-from addons.translate import TranslationError, request_to_chat, response_from_chat, stream_translator
+from openforge.addons.translate import TranslationError, request_to_chat, response_from_chat, stream_translator
 from tests.support.translate_engine import (
     ENGINE_ONLY_FIELDS,
     llamacpp_chunks,

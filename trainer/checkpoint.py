@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.config import TrainConfig, dump_toml
-from trainer.data import DataError, Position
-from trainer.model import tokenizer_files
+from openforge.trainer.config import TrainConfig, dump_toml
+from openforge.trainer.data import DataError, Position
+from openforge.trainer.model import tokenizer_files
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

@@ -59,7 +59,7 @@ class TrainConfig:
     device: str = "auto"              # auto | cpu | cuda
     progress: bool = True
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         if self.objective not in ("ppo", "sft"):
             raise ConfigError(f"objective must be 'ppo' or 'sft', not {self.objective!r}")
         if self.old_policy not in ("recompute", "engine"):

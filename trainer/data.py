@@ -56,7 +56,7 @@ class SampleSource:
         self.filter = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
         self.shuffle, self.seed = shuffle, seed
 
-    def __enter__(self) -> "SampleSource":
+    def __enter__(self) -> SampleSource:
         return self
 
     def __exit__(self, *exc: object) -> None:

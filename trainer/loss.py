@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.config import TrainConfig
-from trainer.packing import Row
+from openforge.trainer.config import TrainConfig
+from openforge.trainer.packing import Row
 
 
 def logit_positions(row: Row) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer.data import DataError
+from openforge.trainer.data import DataError
 
 
 def load_model(path: str, device: torch.device, grad_checkpointing: bool = False) -> torch.nn.Module:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.data import Sample
+from openforge.trainer.data import Sample
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Row:
     coef: torch.Tensor             # float [B, T]; aggregation weight of each trainable token
     n_real: int                    # tokens that belong to samples (the rest is padding)
 
-    def to(self, device: torch.device) -> "Row":
+    def to(self, device: torch.device) -> Row:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Row(move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.loss_mask),
                    move(self.behaviour), move(self.has_behaviour), move(self.advantage), move(self.coef), self.n_real)

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint
-from trainer.config import TrainConfig
-from trainer.data import DataError, Position, Sample, SampleSource, count_steps
-from trainer.loss import logit_positions, row_loss, target_logprobs
-from trainer.model import check_vocab, load_model, shard
-from trainer.packing import Row, coefficients, make_row, plan_rows
-from trainer.packing import shard as share_of
+from openforge.trainer import checkpoint
+from openforge.trainer.config import TrainConfig
+from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
+from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
+from openforge.trainer.model import check_vocab, load_model, shard
+from openforge.trainer.packing import Row, coefficients, make_row, plan_rows
+from openforge.trainer.packing import shard as share_of
 
 
 def logits_at(model: torch.nn.Module, row: Row, positions: torch.Tensor) -> torch.Tensor:
@@ -219,7 +219,7 @@ class ProgressBar:
                                 TextColumn("{task.fields[info]}"))
             self.task = self.bar.add_task("train", total=total, completed=done, info="")
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         if self.bar:
             self.bar.start()
         return self

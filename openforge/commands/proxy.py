@@ -6,7 +6,6 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -31,11 +30,11 @@ def proxy(
                                   help="Where flow files go."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for a sidecar)."),
     port: int = typer.Option(8080, "--port", "-p", min=0, max=65535, help="Port to listen on."),
-    profile: Optional[str] = typer.Option(None, "--profile", help="Engine profile: auto, vllm, sglang, "
+    profile: str | None = typer.Option(None, "--profile", help="Engine profile: auto, vllm, sglang, "
                                           "llamacpp, generic. Default: $OPENFORGE_ENGINE_PROFILE or auto."),
-    models: Optional[str] = typer.Option(None, "--models", help="Per-role model routing: inline JSON or a "
+    models: str | None = typer.Option(None, "--models", help="Per-role model routing: inline JSON or a "
                                          ".json/.toml file (docs/addon.md). Default: $OPENFORGE_MODELS."),
-    translate: Optional[str] = typer.Option(None, "--translate", help="never, auto or always: send Anthropic "
+    translate: str | None = typer.Option(None, "--translate", help="never, auto or always: send Anthropic "
                                             "and Responses calls to the engine as Chat Completions."),
     quiet_flows: bool = typer.Option(True, "--quiet-flows/--mitm-flows", help="Hide mitmproxy's own per-flow "
                                      "lines (the addon logs one masked line per LLM call)."),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,11 +19,11 @@ def reconstruct_command(
     tokenizer: Path = typer.Option(
         ..., "--tokenizer", help="Local directory of the policy's Hugging Face tokenizer (with its chat template)."
     ),
-    rewards: Optional[Path] = typer.Option(
+    rewards: Path | None = typer.Option(
         None, "--rewards", help="Rewards file, JSONL or .csv: episode_id, reward, optional task_id. Beats reward records."
     ),
-    run: Optional[str] = typer.Option(None, "--run", help="Free label stored with every call and sample of this run."),
-    missing_reward: Optional[str] = typer.Option(
+    run: str | None = typer.Option(None, "--run", help="Free label stored with every call and sample of this run."),
+    missing_reward: str | None = typer.Option(
         None,
         "--missing-reward",
         help="Episodes without a reward: `drop` them, `fill:<x>` with reward x, or `keep` them with a NULL reward. "
@@ -45,7 +44,7 @@ def reconstruct_command(
         False, "--keep-prompt-mismatch",
         help="Train calls whose rendered prompt differs in length from the engine's (template drift); left out by default.",
     ),
-    chat_template: Optional[Path] = typer.Option(
+    chat_template: Path | None = typer.Option(
         None, "--chat-template",
         help="Jinja file with the chat template the engine rendered prompts with, when it is not the tokenizer's own.",
     ),
@@ -57,7 +56,7 @@ def reconstruct_command(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from reconstruct.rewards import ADVANTAGES, GROUPINGS, MissingReward, RewardFileError
+    from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS, MissingReward, RewardFileError
 
     console = Console(stderr=True)
     try:
@@ -81,8 +80,8 @@ def reconstruct_command(
         console.print(f"[red]--tokenizer {tokenizer} is not a directory (give a local Hugging Face tokenizer).")
         raise typer.Exit(2)
 
-    from reconstruct.api import reconstruct
-    from reconstruct.tokenize import Retokenizer, load_tokenizer
+    from openforge.reconstruct.api import reconstruct
+    from openforge.reconstruct.tokenize import Retokenizer, load_tokenizer
 
     with console.status("Loading tokenizer"):
         try:

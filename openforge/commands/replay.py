@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -88,12 +87,12 @@ def drive(
         help="'engine': re-send the proxy's upstream requests (each call on its own). 'client': re-send what "
         "the toolchain sent, episode by episode in recorded order (e.g. through `openforge proxy`).",
     ),
-    model: Optional[str] = typer.Option(None, help="Replace the recorded model name (compare another policy)."),
-    api_key: Optional[str] = typer.Option(None, "--key", "--api-key", envvar="OPENFORGE_REPLAY_API_KEY", show_envvar=False,
+    model: str | None = typer.Option(None, help="Replace the recorded model name (compare another policy)."),
+    api_key: str | None = typer.Option(None, "--key", "--api-key", envvar="OPENFORGE_REPLAY_API_KEY", show_envvar=False,
                                           help="Bearer key for the engine (recorded keys are masked), as on `openforge "
                                                "proxy` and `preflight`. Default: $OPENFORGE_REPLAY_API_KEY."),
     timeout: float = typer.Option(300.0, help="Per-request timeout in seconds."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the summary and per-call results as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the summary and per-call results as JSON here."),
 ) -> None:
     """Re-send a trace's calls to an engine: throughput, TTFT and latency percentiles, divergence from the recorded outputs."""
     import asyncio

@@ -21,7 +21,7 @@ def stats_command(
     if not db.is_file():
         Console(stderr=True).print(f"[red]No database at {db}")
         raise typer.Exit(2)
-    from reconstruct.stats import collect
+    from openforge.reconstruct.stats import collect
 
     figures = collect(db)
     table = Table(title=f"OpenForge stats: {db}", show_header=False)

@@ -33,15 +33,15 @@ def train(
     from rich.console import Console
     from rich.markup import escape
 
-    from trainer.config import ConfigError, load_config, parse_sets
-    from trainer.data import DataError
+    from openforge.trainer.config import ConfigError, load_config, parse_sets
+    from openforge.trainer.data import DataError
 
     console = Console(stderr=True, soft_wrap=True)
     named = dict(db=str(db), model=str(model), out=str(out), where=where, objective=objective, lr=lr,
                  steps=steps, step_tokens=step_tokens, row_tokens=row_tokens)
     try:
         cfg = load_config(config, parse_sets(sets) | {k: v for k, v in named.items() if v is not None})
-        from trainer.train import train as run  # torch + transformers: imported only when training
+        from openforge.trainer.train import train as run  # torch + transformers: imported only when training
 
         run(cfg, resume=resume, say=console.print)
     except (ConfigError, DataError) as e:

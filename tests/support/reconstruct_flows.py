@@ -14,10 +14,11 @@ import json
 import os
 import random
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from addons.flowfile import FlowWriter
+from openforge.addons.flowfile import FlowWriter
 
 SYSTEM = "You are a careful coding agent. Use the bash tool to inspect the repository before answering."
 BASH = {
@@ -37,7 +38,7 @@ def qwen_path() -> str:
 def qwen_tokenizer() -> Any:
     """The real Qwen3 tokenizer, loaded once per test session (`load_tokenizer` caches by path), so
     the CLI tests that pass `--tokenizer PATH` reuse it too."""
-    from reconstruct.tokenize import load_tokenizer
+    from openforge.reconstruct.tokenize import load_tokenizer
 
     return load_tokenizer(qwen_path())
 
@@ -231,7 +232,7 @@ class FlowFactory:
 @functools.lru_cache(maxsize=1)
 def qwen_retokenizer() -> Any:
     """One shared Retokenizer (its segment cache is safe to share: ids never depend on the caller)."""
-    from reconstruct.tokenize import Retokenizer
+    from openforge.reconstruct.tokenize import Retokenizer
 
     return Retokenizer(qwen_tokenizer())
 

@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from addons.flowfile import FlowWriter
+from openforge.addons.flowfile import FlowWriter
 
 JSON = [["content-type", "application/json"]]
 SSE = [["content-type", "text/event-stream"]]

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from addons.flowfile import expand_paths, open_flow_file
+from openforge.addons.flowfile import expand_paths, open_flow_file
 from tests.support.scripted_engine import Conversation, Reply
 from tests.support.toolchain_engine import ToolchainEngine
 from toolchains import run as toolchains

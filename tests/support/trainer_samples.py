@@ -94,7 +94,7 @@ def train_on_ranks(cfg, world_size: int) -> None:
 def _rank(rank: int, world_size: int, port: int, cfg) -> None:
     import torch
 
-    from trainer.train import train
+    from openforge.trainer.train import train
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
