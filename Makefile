@@ -20,10 +20,9 @@ toolchains:
 
 # The proxy side alone, on Python 3.12 and the newest mitmproxy 12: no torch, no reconstruct, no trainer.
 setup-312: $(VENV312)/.setup-done
-$(VENV312)/.setup-done: Makefile pyproject.toml
+$(VENV312)/.setup-done: Makefile
 	PYENV_VERSION=3.12.1 python3.12 -m venv $(VENV312)
 	$(VENV312)/bin/pip install -q 'mitmproxy>=12' msgpack pytest pytest-timeout httpx 'openai<2' 'anthropic<1'
-	$(VENV312)/bin/pip install -q --no-deps -e .   # `openforge.addons` for the tests; the script itself needs no install
 	touch $@
 
 # The LiteLLM proxy that bench/proxy_overhead.py compares against, in its own environment. Pinned: the
