@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import proxy_overhead as po  # noqa: E402
 
 ANSWER_HOOK = """from mitmproxy import http
-BODY = b'{"id":"c","object":"chat.completion","model":"scripted-model","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}'
+BODY = (b'{"id":"c","object":"chat.completion","model":"scripted-model","choices":[{"index":0,'
+        b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}')
 def request(flow):
     flow.response = http.Response.make(200, BODY, {"content-type": "application/json"})
 """

@@ -134,7 +134,8 @@ def run_episode(
     episode = Episode(episode_id=f"{task.id}-{uuid.uuid4().hex[:8]}", task=task)
     key = os.environ.get("OPENFORGE_CLIENT_TOKEN", "openforge-demo")  # a proxy with client tokens checks it
     client = OpenAI(base_url=f"{proxy}/e/{episode.episode_id}/v1", api_key=key, max_retries=0, timeout=timeout)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": task.question + ASK}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": task.question + ASK}]
     try:
         for _ in range(max_turns):
             response = client.chat.completions.create(
@@ -148,7 +149,8 @@ def run_episode(
                 messages.append({"role": "assistant", "content": episode.final})
                 break
             calls = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": canonical(c.function.arguments)}}
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": canonical(c.function.arguments)}}
                 for c in message.tool_calls
             ]
             messages.append({"role": "assistant", "content": message.content or None, "tool_calls": calls})
@@ -193,7 +195,8 @@ def run_batch(
 def main(argv: list[str] | None = None) -> None:
     from openforge.examples.verifier import report, score
 
-    parser = argparse.ArgumentParser(prog="python -m openforge.examples.tool_agent", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m openforge.examples.tool_agent",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--proxy", required=True, help="OpenForge proxy base URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--tasks", type=int, default=len(TASKS), help="how many tasks of the task set")
     parser.add_argument("--attempts", type=int, default=2, help="episodes per task (GRPO group size)")

@@ -60,7 +60,8 @@ def test_engine_chat_stream_matches_non_stream(oai, engine):
     assert choice.finish_reason == "stop" and choice.message.content.startswith("Echo: List")
     assert tok.decode(choice.token_ids) == choice.message.content + "<|im_end|>"
     assert tok.decode(full.prompt_token_ids).endswith("🚀<|im_end|>\n<|im_start|>assistant\n")
-    assert [e.logprob for e in choice.logprobs.content] == [ScriptedEngine.logprob(i) for i in range(len(choice.token_ids))]
+    expected = [ScriptedEngine.logprob(i) for i in range(len(choice.token_ids))]
+    assert [e.logprob for e in choice.logprobs.content] == expected
     assert full.usage.completion_tokens == len(choice.token_ids)
 
     chunks, text, ids = _stream_chat(
@@ -180,8 +181,8 @@ def test_engine_anthropic_messages(claude):
     assert streamed.content[0].input == {"command": "ls"} and streamed.content[0].id == block.id
     assert streamed.usage.output_tokens == first.usage.output_tokens
 
-    history = user + [{"role": "assistant", "content": [block.model_dump()]},
-                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "a.txt"}]}]
+    result = {"type": "tool_result", "tool_use_id": block.id, "content": "a.txt"}
+    history = user + [{"role": "assistant", "content": [block.model_dump()]}, {"role": "user", "content": [result]}]
     final = claude.messages.create(model="claude-x", max_tokens=256, messages=history, tools=tools)
     assert final.content[0].text == FINAL_TEXT and final.stop_reason == "end_turn"
     with claude.messages.stream(model="claude-x", max_tokens=256, messages=history, tools=tools) as stream:

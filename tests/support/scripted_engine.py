@@ -386,7 +386,8 @@ class ScriptedEngine:
         for k, tid in enumerate(ids):
             token = self.decode([tid])
             entry: dict[str, Any] = {"token": token, "logprob": self.logprob(first_index + k)}
-            entry["bytes"] = [tid - 3] if isinstance(self.tokenizer, ByteTokenizer) and tid >= 3 else list(token.encode())
+            byte_token = isinstance(self.tokenizer, ByteTokenizer) and tid >= 3
+            entry["bytes"] = [tid - 3] if byte_token else list(token.encode())
             entry["top_logprobs"] = []
             if self.profile == "llamacpp":
                 entry = {"id": tid, **entry}
