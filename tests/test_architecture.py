@@ -1,0 +1,30 @@
+"""The dependency directions of docs/architecture.md, checked in a fresh interpreter each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+FORBIDDEN = {
+    # the proxy runs beside any mitmproxy without the training stack
+    "openforge.addons.proxy": ["torch", "duckdb", "transformers", "numpy", "openforge.reconstruct",
+                               "openforge.trainer"],
+    # the trainer reads DuckDB samples, never the proxy
+    "openforge.trainer.train": ["mitmproxy", "openforge.addons.proxy"],
+}
+
+
+def imported_by(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize("module", sorted(FORBIDDEN))
+def test_dependencies_point_one_way(module: str) -> None:
+    loaded = imported_by(module)
+    assert not [m for m in FORBIDDEN[module] if m in loaded]
