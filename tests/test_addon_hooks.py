@@ -13,7 +13,7 @@ from mitmproxy import http
 from mitmproxy.proxy.mode_specs import ReverseMode
 from mitmproxy.test import taddons, tflow
 
-import openforge.addons.proxy
+import openforge.addons.recorder
 from openforge.addons import options
 from openforge.addons.flowfile import expand_paths, open_flow_file
 from openforge.addons.proxy import OpenForge
@@ -60,19 +60,19 @@ def test_records_precede_the_answer_and_a_failing_one_spares_the_rest(
     def broken(chunks: Any) -> bool:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(openforge.addons.proxy, "stream_has_token_ids", broken)
+    monkeypatch.setattr(openforge.addons.recorder, "stream_has_token_ids", broken)
 
     async def run() -> list[dict[str, Any]]:
         addon = OpenForge()
         with taddons.context(addon):
             addon._apply(options.parse({"openforge_upstream_url": "http://127.0.0.1:9/v1",
                                         "openforge_flow_dir": str(tmp_path), "openforge_engine_profile": "vllm"}))
-            addon._upstream_ok_at = float("inf")  # no reachability probe: nothing listens on port 9
+            addon.engine.ok_at = float("inf")  # no reachability probe: nothing listens on port 9
             plain, streamed = new_flow("plain", False), new_flow("streamed", True)
             await answer(addon, plain, stream=False)
             await answer(addon, streamed, stream=True)
             assert b"prompt_token_ids" not in plain.response.content
-            assert addon._records == 2 and not addon._inflight  # written before the answers went out
+            assert addon.recorder.records == 2 and not addon.recorder.inflight  # written before the answers went out
             addon.done()
         return [r for p in expand_paths([tmp_path]) for r in open_flow_file(p).records()]
 
