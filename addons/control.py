@@ -59,6 +59,7 @@ class Control:
     def _reward(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """POST /openforge/v1/episodes/<episode>/reward: recorded here, never forwarded."""
         episode, rest = reward_path(path)
+        answer: dict[str, Any]
         try:
             record = self._reward_record(flow, episode, rest, s)
         except Refused as e:
@@ -95,7 +96,7 @@ class Control:
             raise Refused(400, f"the episode id must be 1-{MAX_ID_CHARS} printable characters", "invalid_request_error")
         body = json_object(req.content) if len(req.content or b"") <= MAX_REWARD_BODY else None
         reward = body.get("reward") if body is not None else None
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        if body is None or isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise Refused(400, 'body must be a JSON object (at most 1 MiB) with a numeric "reward"',
                           "invalid_request_error")
         if isinstance(reward, float) and not math.isfinite(reward):

@@ -341,8 +341,9 @@ class OpenForge:
             engine_protocol = ex.protocol
             client_protocol = "anthropic" if ex.protocol == "anthropic_count_tokens" else ex.protocol
             if translate.needs_translation(client_protocol, ex.engine_profile, s.translate):
+                dropped: list[str] = []
                 if ex.protocol == "anthropic_count_tokens":
-                    chat, dropped = translate.count_tokens_request(body), []
+                    chat = translate.count_tokens_request(body)
                 else:
                     chat, dropped = translate.request_to_chat(ex.protocol, body)
                 ex.translated = {"from": ex.protocol, "to": "chat", "dropped": dropped}

@@ -26,9 +26,9 @@ def response_parts(flow: http.HTTPFlow, raw: bytes | None, ex: Exchange | None =
     """What a record keeps of the flow's response: the body, or the chunks of a streamed one."""
     resp = flow.response
     assert resp is not None
-    streamed = ex is not None and ex.streamed
-    return ResponseParts(resp.status_code, resp.headers.fields, None if streamed else raw,
-                         ex.chunks if streamed else None)
+    if ex is not None and ex.streamed:
+        return ResponseParts(resp.status_code, resp.headers.fields, None, ex.chunks)
+    return ResponseParts(resp.status_code, resp.headers.fields, raw, None)
 
 
 class Recorder:
