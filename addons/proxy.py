@@ -38,6 +38,8 @@ MAX_WARNED_ROLES = 100
 
 
 class OpenForge:
+    """The routing addon; `recorder`, `engine`, `control` and `calllog` are its parts (docs/addon.md, Structure)."""
+
     def __init__(self) -> None:
         self.settings: options.Settings | None = None
         self.recorder = Recorder()
