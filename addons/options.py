@@ -90,6 +90,20 @@ SPECS = (
 NAMES = frozenset(s.name for s in SPECS)
 
 
+def declare(loader: Any) -> str | None:
+    """Declare every option with mitmproxy's loader, as a string (`parse` reads it); the problem of an
+    option given more than once, which mitmproxy would answer by dropping the whole script without a word."""
+    problem = None
+    deferred = getattr(loader.master.options, "deferred", {})
+    for spec in SPECS:
+        values = getattr(deferred.get(spec.name), "val", None)
+        if isinstance(values, list) and len(values) > 1:
+            problem = f"{spec.name} is set {len(values)} times; set it once"
+            deferred[spec.name] = type(deferred[spec.name])(values[-1:])
+        loader.add_option(spec.name, str, spec.default(), spec.help)
+    return problem
+
+
 class BadOption(ValueError):
     """An option value that cannot work; the message is shown to the user as is."""
 

@@ -112,8 +112,8 @@ async def main() -> None:
         with taddons.context(addon):
             addon._apply(options.parse({"openforge_upstream_url": "http://127.0.0.1:9/v1",
                                         "openforge_flow_dir": flows, "openforge_engine_profile": "vllm"}))
-            addon._upstream_ok_at = float("inf")  # no reachability probe: nothing listens on port 9
-            addon._call_lines = False  # the per-call log line goes to stdout: not part of this measurement
+            addon.engine.ok_at = float("inf")  # no reachability probe: nothing listens on port 9
+            addon.calllog.enabled = False  # the per-call log line goes to stdout: not part of this measurement
             print(f"{'case':<34}{'answer KB':>10}{'request':>10}{'resp.hdrs':>10}{'response':>10}{'record':>10}"
                   f"{'on path':>10}{'total us':>10}")
             for label, request_body, answer, headers, n in cases:

@@ -114,7 +114,7 @@ def test_record_is_written_before_the_answer_is_released(tmp_path: Path) -> None
             addon._apply(options.parse({"openforge_upstream_url": "http://127.0.0.1:9/v1",
                                         "openforge_flow_dir": str(tmp_path), "openforge_engine_profile": "generic",
                                         "openforge_fsync_interval": "60"}))
-            addon._upstream_ok_at = float("inf")  # no reachability probe: nothing listens on port 9
+            addon.engine.ok_at = float("inf")  # no reachability probe: nothing listens on port 9
             plain = new_flow("plain", False)
             await addon.request(plain)
             plain.response = http.Response.make(200, json.dumps(ANSWER).encode(), {"content-type": "application/json"})

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import subprocess
+import sys
+import sysconfig
 import threading
+import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from openforge.addons.flowfile import expand_paths, open_flow_file
+from tests.conftest import ROOT, free_port
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
@@ -78,3 +87,63 @@ def test_kill_9_mid_stream_leaves_a_readable_file(start_proxy: Any) -> None:
     assert ff.error is None
     assert [r["episode"] for r in recs] == ["ok-0", "ok-1", "ok-2"]
     assert all(r["complete"] and r["has_token_ids"] for r in recs)
+
+
+# mitmdump as its entry point starts it, with the training stack unimportable (`python -S` has already
+# skipped the .pth files, the editable install of openforge among them).
+LIGHT_MITMDUMP = """
+import sys
+
+class NotBesideTheProxy:
+    BLOCKED = ("torch", "duckdb", "typer", "numpy", "pyarrow", "transformers", "orjson", "httpx", "rich",
+               "openforge.reconstruct", "openforge.trainer")
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in cls.BLOCKED):
+            raise ModuleNotFoundError(f"{name} is not installed beside the proxy")
+        return None
+
+sys.meta_path.insert(0, NotBesideTheProxy)
+from mitmproxy.tools.main import mitmdump
+mitmdump()
+"""
+
+
+def test_the_script_runs_from_a_bare_checkout_with_only_mitmproxy_and_msgpack(tmp_path: Path) -> None:
+    """`mitmdump -s addons/openforge.py` as docs/addon.md shows it, from a checkout that was never installed,
+    beside mitmproxy and msgpack only: a real call through it is answered and recorded."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT / "addons", checkout / "addons", ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / "openforge").mkdir()
+    shutil.copy(ROOT / "openforge" / "__init__.py", checkout / "openforge")
+    (checkout / "openforge" / "addons").symlink_to("../addons")
+    site = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENFORGE_", "PYTHON"))}
+    env["PYTHONPATH"] = os.pathsep.join(site)
+    port, flows, log_path = free_port(), tmp_path / "flows", tmp_path / "mitmdump.log"
+    with ScriptedEngine() as eng, open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-S", "-P", "-c", LIGHT_MITMDUMP, "--listen-host", "127.0.0.1", "-p", str(port),
+             "-s", str(checkout / "addons" / "openforge.py"), "--set", f"confdir={tmp_path / 'mitmconf'}",
+             "--set", f"openforge_upstream_url={eng.url}", "--set", f"openforge_flow_dir={flows}"],
+            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/openforge/v1/status", timeout=5) as r:
+                        assert r.status == 200
+                        break
+                except OSError:
+                    time.sleep(0.2)
+            assert proc.poll() is None, log_path.read_text()
+            r = httpx.post(f"http://127.0.0.1:{port}/e/bare/v1/chat/completions", json={**BODY, "stream": False})
+            assert r.status_code == 200, r.text
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    output = log_path.read_text()
+    assert proc.returncode == 0 and "Traceback" not in output, output
+    recs = [r for path in expand_paths([flows]) for r in open_flow_file(path).records()]
+    assert [(r["episode"], r["protocol"], r["complete"]) for r in recs] == [("bare", "chat", True)], output

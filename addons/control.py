@@ -1,0 +1,160 @@
+"""The proxy's own endpoints, answered here and never forwarded (docs/addon.md, Rewards and Status).
+
+`POST /openforge/v1/episodes/<episode>/reward` writes a reward record; `GET /openforge/v1/status` is a
+readiness probe. Both answer plain JSON (`{"ok": ...}` / `{"error": ...}`), not an LLM protocol's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+from urllib.parse import unquote
+
+from mitmproxy import http
+
+from . import access, flowfile, options, wire
+from .bodies import json_object
+from .engine import Engine
+from .errors import Refused
+from .recorder import Recorder
+
+logger = logging.getLogger("openforge")
+# Reward posts: values past these are a verifier's bug or an attack, never a training signal.
+MAX_REWARD_BODY = 1 << 20
+MAX_METADATA_BYTES = 64 << 10
+MAX_METADATA_DEPTH = 32
+MAX_ID_CHARS = 256  # episode and task ids
+_INT64 = (-(1 << 63), (1 << 64) - 1)  # what msgpack can write
+
+
+def handles(path: str) -> bool:
+    """Whether a path (no query string) is one of the proxy's own endpoints."""
+    return path.startswith(wire.REWARD_PREFIX) or path == wire.STATUS_PATH
+
+
+def reward_path(path: str) -> tuple[str, str]:
+    """(episode, what follows it) of a path under the reward prefix; the episode %-decoded."""
+    episode, _, rest = path[len(wire.REWARD_PREFIX):].partition("/")
+    return unquote(episode), rest
+
+
+class Control:
+    """Answers the reward and status endpoints from the recorder's and the engine's state."""
+
+    def __init__(self, recorder: Recorder, engine: Engine) -> None:
+        self._recorder = recorder
+        self._engine = engine
+        self._rewarded: set[str] = set()  # episodes rewarded here under openforge_reward_policy=first
+
+    def answer(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
+        """Set the answer of a request to one of the endpoints (`handles(path)`)."""
+        if path == wire.STATUS_PATH:
+            self._status(flow, s)
+        else:
+            self._reward(flow, path, s)
+
+    def _reward(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
+        """POST /openforge/v1/episodes/<episode>/reward: recorded here, never forwarded."""
+        episode, rest = reward_path(path)
+        answer: dict[str, Any]
+        try:
+            record = self._reward_record(flow, episode, rest, s)
+        except Refused as e:
+            status, answer = e.status, {"error": e.message}
+            if e.status in (401, 403, 409):
+                logger.warning(f"OpenForge: reward refused ({e.status}) "
+                               f"episode={wire.printable(episode[:MAX_ID_CHARS])}: {wire.printable(e.message)}")
+        else:
+            problem = self._recorder.write_record(record)
+            if problem:
+                status, answer = 503, {"error": f"reward not recorded: {problem}"}
+            else:
+                if s.reward_policy == "first":
+                    self._rewarded.add(episode)
+                status, answer = 200, {"ok": True, "id": record["id"], "episode": episode}
+                logger.info(f"reward episode={wire.printable(episode)} reward={record['reward']:g}")
+        flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+
+    def _reward_record(self, flow: http.HTTPFlow, episode: str, rest: str, s: options.Settings) -> dict[str, Any]:
+        """The reward record a post makes; `Refused` (in the order a client can fix it) when it makes none."""
+        req = flow.request
+        if rest != "reward" or not episode:
+            raise Refused(404, "use POST /openforge/v1/episodes/<episode>/reward", "not_found")
+        if req.method != "POST":
+            raise Refused(405, "use POST", "method_not_allowed")
+        if s.guarded:
+            given = access.presented(req.headers.fields, None)
+            if not (s.reward_tokens and access.matches(given, s.reward_tokens)):
+                if access.matches(given, s.client_tokens):
+                    raise Refused(403, "posting a reward needs a reward token (openforge_reward_tokens); a client "
+                                  "token is not enough", "permission_error")
+                raise Refused(401, "missing or unknown reward token", "invalid_api_key")
+        if len(episode) > MAX_ID_CHARS or not episode.isprintable():
+            raise Refused(400, f"the episode id must be 1-{MAX_ID_CHARS} printable characters", "invalid_request_error")
+        body = json_object(req.content) if len(req.content or b"") <= MAX_REWARD_BODY else None
+        reward = body.get("reward") if body is not None else None
+        if body is None or isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise Refused(400, 'body must be a JSON object (at most 1 MiB) with a numeric "reward"',
+                          "invalid_request_error")
+        if isinstance(reward, float) and not math.isfinite(reward):
+            raise Refused(400, "reward must be a finite number", "invalid_request_error")
+        if not -flowfile.MAX_ABS_REWARD <= reward <= flowfile.MAX_ABS_REWARD:
+            limit = flowfile.MAX_ABS_REWARD
+            raise Refused(400, f"reward must be between {-limit:g} and {limit:g}", "invalid_request_error")
+        task_id = body.get("task_id")
+        if task_id is not None and len(str(task_id)) > MAX_ID_CHARS:
+            raise Refused(400, f"task_id must be at most {MAX_ID_CHARS} characters", "invalid_request_error")
+        metadata = body.get("metadata")
+        if metadata is not None:
+            check_metadata(metadata)
+        if s.reward_policy == "first" and episode in self._rewarded:
+            raise Refused(409, f"episode {episode!r} already has a reward and openforge_reward_policy is first: "
+                          "this one is not recorded", "conflict")
+        record_id, seq = self._recorder.next_id()
+        return {"type": "reward", "id": record_id, "proxy": self._recorder.instance, "seq": seq, "t": time.time(),
+                "episode": episode, "reward": float(reward), "task_id": None if task_id is None else str(task_id),
+                "metadata": metadata, "reward_policy": s.reward_policy}
+
+    def _status(self, flow: http.HTTPFlow, s: options.Settings) -> None:
+        """GET /openforge/v1/status: a readiness probe, answered here. `write_error`: why the last record
+        could not be written (calls are answered 503 meanwhile); it stays ready, so traffic can retry."""
+        if s.guarded and not access.matches(access.presented(flow.request.headers.fields, None),
+                                            s.client_tokens + s.reward_tokens):
+            flow.response = http.Response.make(
+                401, b'{"ok": false, "error": "missing or unknown token (a client or reward token)"}',
+                {"content-type": "application/json"})
+            return
+        rec = self._recorder
+        writer = rec.writer
+        ok = writer is not None
+        answer = {"ok": ok, "write_error": rec.write_error, "proxy": rec.instance, "started": rec.started,
+                  "upstream": s.upstream_display, "engine_profile": self._engine.profile,
+                  "flow_file": str(writer.current_path) if writer and writer.current_path else None,
+                  "records": rec.records, "in_flight": len(rec.inflight)}
+        flow.response = http.Response.make(200 if ok else 503, json.dumps(answer).encode(),
+                                           {"content-type": "application/json"})
+
+
+def check_metadata(metadata: Any) -> None:
+    """Refuse reward metadata that is not a JSON object, too big, too deep, or holds a number a record
+    cannot keep (non-finite, or an integer past 64 bits)."""
+    if not isinstance(metadata, dict):
+        raise Refused(400, '"metadata" must be a JSON object', "invalid_request_error")
+    stack: list[tuple[Any, int]] = [(metadata, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise Refused(400, f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep",
+                          "invalid_request_error")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, float) and not math.isfinite(value) or (
+                isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]):
+            raise Refused(400, "metadata numbers must be finite and fit in 64 bits", "invalid_request_error")
+    if len(json.dumps(metadata)) > MAX_METADATA_BYTES:
+        raise Refused(400, f"metadata must be at most {MAX_METADATA_BYTES >> 10} KiB of JSON", "invalid_request_error")
