@@ -199,7 +199,7 @@ class FlowFactory:
         system: str = SYSTEM,
         task: str = "Find the test files",
         tool_output: Callable[[int], str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[FlowRecord]:
         """An agent loop: `turns` tool calls then a final answer, as the client would send it each turn."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
         records = []
