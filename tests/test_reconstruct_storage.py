@@ -1,6 +1,6 @@
 """How reconstruct stores calls: prompts as suffixes of the episode's previous call (engine prompt ids
-parsed only past it), a transaction per batch (a run that dies mid-file resumes), and databases of schema
-version 1 migrated in place."""
+parsed only past it), a transaction per batch (a run that dies mid-file resumes), databases of older schema
+versions migrated in place or refused with a rebuild message, and no column that nothing writes."""
 
 from __future__ import annotations
 
