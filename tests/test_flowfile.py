@@ -112,6 +112,9 @@ def test_read_header_reads_the_header_alone_and_names_what_is_not_one(tmp_path: 
     headerless.write_bytes(b"")
     with pytest.raises(flowfile.NotAFlowFile, match="not a flow file"):
         flowfile.read_header(headerless)
+    newer = tmp_path / "newer.flows"  # the version is for `records()` to refuse (reconstruct: corrupt_file)
+    newer.write_bytes(msgpack.packb({"type": "header", "v": 99}) + pack(exchange(0)))
+    assert flowfile.read_header(newer)["v"] == 99
 
 
 def test_record_types_name_every_field_of_the_format_doc() -> None:
