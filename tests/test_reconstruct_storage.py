@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import duckdb
+import msgpack
 import numpy as np
 import pytest
 
@@ -250,3 +251,15 @@ def test_every_column_is_written(tmp_path, retok):
     unwritten = [f"{r['t']}.{r['c']}" for r in columns
                  if db_rows(db, f'SELECT count("{r["c"]}") n FROM "{r["t"]}"')[0]["n"] == 0]
     assert unwritten == ["call_tokens.messages"]
+
+
+def test_flow_file_of_another_version_is_a_corrupt_file_not_an_unreadable_one(tmp_path, retok):
+    """The header alone decides whether a file is a flow file; its version is refused while reading it."""
+    (tmp_path / "flows").mkdir()
+    (tmp_path / "flows" / "x.flows").write_bytes(
+        msgpack.packb({"type": "header", "v": 99}) + msgpack.packb({"type": "exchange", "id": "a"})
+    )
+    s = reconstruct([tmp_path / "flows"], tmp_path / "db.duckdb", retok)
+    assert dict(s.skipped) == {"corrupt_file": 1}
+    [row] = db_rows(tmp_path / "db.duckdb", "SELECT reason, detail FROM skipped")
+    assert "flow format version 99" in row["detail"]
