@@ -10,10 +10,10 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict, cast
 
 import msgpack
 
@@ -23,9 +23,100 @@ MAX_RECORD_BYTES = 1 << 31  # a single exchange may carry a long SSE stream; ref
 # A reward record's reward is a finite number within +-MAX_ABS_REWARD: larger is a verifier bug, not a score
 # (the proxy refuses it, reconstruct skips it), and group sums and variances of such rewards stay finite.
 MAX_ABS_REWARD = 1e6
+HEADER_MAX_BYTES = 1 << 20  # `read_header` decodes no more than this: a header is a few dozen bytes
 
 
-def pack(record: dict[str, Any]) -> bytes:
+class FileHeader(TypedDict):
+    """The first record of every flow file."""
+
+    type: Literal["header"]
+    v: int
+    proxy: str
+    started: float
+    file_seq: int
+    created: float
+
+
+class HttpRequest(TypedDict):
+    """`client_request` / `upstream_request`: headers are `[name, value]` pairs in wire order, secrets masked."""
+
+    method: str
+    url: str
+    headers: list[list[str]]
+    body: bytes | None
+
+
+class HttpResponse(TypedDict):
+    """`response` / `client_response`: `chunks` holds `[t, bytes]` reads of a stream (then `body` is None)."""
+
+    status: int
+    headers: list[list[str]]
+    body: bytes | None
+    chunks: list[list[Any]] | None
+    streamed: bool
+
+
+# `from` is a keyword: the functional form names it
+Translation = TypedDict("Translation", {"from": str, "to": str, "dropped": list[str]})
+
+
+class ExchangeRecord(TypedDict):
+    """One LLM call (or passthrough call) as the proxy saw it."""
+
+    type: Literal["exchange"]
+    id: str
+    proxy: str
+    seq: int
+    t_start: float
+    t_first_byte: float | None
+    t_end: float | None
+    complete: bool
+    episode: str | None
+    episode_source: str | None
+    role: str
+    toolchain: str | None
+    protocol: str
+    model: str | None
+    upstream_model: str | None
+    engine_profile: str
+    client_request: HttpRequest
+    upstream_request: HttpRequest | None
+    response: HttpResponse | None
+    client_response: HttpResponse | None
+    injected: list[str]
+    translated: Translation | None
+    has_token_ids: bool
+    error: str | None
+
+
+class _RewardFields(TypedDict):
+    type: Literal["reward"]
+    id: str
+    proxy: str
+    seq: int
+    t: float
+    episode: str
+    reward: float
+    task_id: str | None
+    metadata: dict[str, Any] | None
+
+
+class RewardRecord(_RewardFields, total=False):
+    """A verifier's reward for an episode; `reward_policy` is absent in files written before it existed."""
+
+    reward_policy: Literal["last", "first"]
+
+
+# What follows the header. Records are typed as the format writes them; a damaged file can yield maps that
+# break these types, so a reader checks every field it uses.
+FlowRecord = ExchangeRecord | RewardRecord
+
+
+class NotAFlowFile(Exception):
+    """A file that does not start with a header record."""
+
+
+def pack(record: Mapping[str, Any]) -> bytes:
     """Serialise one record; bytes stay bytes (msgpack bin), str stays str."""
     return msgpack.packb(record, use_bin_type=True)
 
@@ -57,7 +148,7 @@ class FlowWriter:
     _syncer: threading.Thread | None = field(default=None, init=False, repr=False)
     paths: list[Path] = field(default_factory=list, init=False)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: FlowRecord) -> None:
         data = pack(record)
         with self._lock:
             if self._fd is None or self._size + len(data) > self.max_bytes:
@@ -97,14 +188,10 @@ class FlowWriter:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.started))
         path = self.directory / f"openforge-{self.instance}-{stamp}-{self._file_seq:04d}{SUFFIX}"
         header = pack(
-            {
-                "type": "header",
-                "v": FORMAT_VERSION,
-                "proxy": self.instance,
-                "started": self.started,
-                "file_seq": self._file_seq,
-                "created": time.time(),
-            }
+            FileHeader(
+                type="header", v=FORMAT_VERSION, proxy=self.instance, started=self.started,
+                file_seq=self._file_seq, created=time.time(),
+            )
         )
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
@@ -155,14 +242,14 @@ class FlowFile:
     """One flow file opened for reading: iterate `records()`, then look at `torn_tail` / `error`."""
 
     path: Path
-    header: dict[str, Any] | None = None
+    header: FileHeader | None = None
     file_id: str = ""
     n_records: int = 0
     n_bytes: int = 0
     torn_tail: bool = False  # the last record was cut short (kill -9 mid-write): skipped
     error: str | None = None  # the file stops being readable at some offset (corruption)
 
-    def records(self) -> Iterator[dict[str, Any]]:
+    def records(self) -> Iterator[FlowRecord]:
         """Yield exchange and reward records in file order, streaming (bounded memory).
 
         Every decoded map after the header but a repeated header is yielded, whatever its fields (a record
@@ -196,7 +283,7 @@ class FlowFile:
                     self.error = "no header record: not an OpenForge flow file"
                     return
                 self.n_records += 1
-                yield obj
+                yield cast(FlowRecord, obj)
             if end < self.n_bytes:
                 self.torn_tail = True
             if self.header is None and self.error is None:
@@ -207,8 +294,8 @@ class FlowFile:
             raise UnsupportedVersion(
                 f"{self.path}: flow format version {header.get('v')!r}, this reader knows {FORMAT_VERSION}"
             )
-        self.header = header
-        self.file_id = hashlib.sha256(pack(header)).hexdigest()[:32]
+        self.header = cast(FileHeader, header)
+        self.file_id = header_id(self.header)
 
 
 class UnsupportedVersion(Exception):
@@ -217,6 +304,27 @@ class UnsupportedVersion(Exception):
 
 def open_flow_file(path: str | os.PathLike[str]) -> FlowFile:
     return FlowFile(Path(path))
+
+
+def read_header(path: str | os.PathLike[str]) -> FileHeader:
+    """The file's header record, decoding nothing past it (whether a file is new is decided on it alone).
+
+    Raises NotAFlowFile when the file does not start with one. The version is not checked here:
+    `FlowFile.records()` refuses another version (UnsupportedVersion).
+    """
+    try:
+        with open(path, "rb") as f:
+            header = next(iter(msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=HEADER_MAX_BYTES)))
+    except Exception as e:  # noqa: BLE001 - any undecodable start (or none) means the same thing
+        raise NotAFlowFile(f"not a flow file: {e}") from None
+    if not isinstance(header, dict) or header.get("type") != "header":
+        raise NotAFlowFile("no header record: not an OpenForge flow file")
+    return cast(FileHeader, header)
+
+
+def header_id(header: FileHeader) -> str:
+    """The file id downstream de-duplicates on: sha256 of the packed header (stable across renames)."""
+    return hashlib.sha256(pack(header)).hexdigest()[:32]
 
 
 def expand_paths(paths: list[str | os.PathLike[str]]) -> list[Path]:

@@ -7,7 +7,7 @@ from typing import Any
 from openforge.reconstruct.tokenize import Retokenizer, template_message
 
 
-def classify(retok: Retokenizer, prev: dict[str, Any], call: dict[str, Any], prev_ids: list[int]) -> str:
+def classify_drift(retok: Retokenizer, prev: dict[str, Any], call: dict[str, Any], prev_ids: list[int]) -> str:
     """One of template | retokenization | client_rewrite | other.
 
     `prev`/`call` hold `messages`, `tools`, `completion` (canonical), `strict_hashes`, `strict_end`;

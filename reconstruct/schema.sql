@@ -1,4 +1,4 @@
--- OpenForge DuckDB schema, version 3.
+-- OpenForge DuckDB schema, version 4.
 -- The contract between reconstruct/ (writer) and trainer/ (reader); documented in docs/schema.md.
 -- Every statement is idempotent so opening an existing database re-applies nothing.
 
@@ -6,7 +6,7 @@ CREATE TABLE IF NOT EXISTS meta (
     key   VARCHAR PRIMARY KEY,
     value VARCHAR NOT NULL
 );
-INSERT INTO meta VALUES ('schema_version', '3') ON CONFLICT DO NOTHING;
+INSERT INTO meta VALUES ('schema_version', '4') ON CONFLICT DO NOTHING;
 
 -- One row per flow file already ingested; re-running reconstruct skips what is here.
 CREATE TABLE IF NOT EXISTS ingested_files (
@@ -101,19 +101,8 @@ CREATE TABLE IF NOT EXISTS rewards (
     policy     VARCHAR                     -- the proxy's reward policy: first | last (NULL: last)
 );
 
--- Images in multimodal calls, kept by content hash (VL tokenisation comes later).
-CREATE TABLE IF NOT EXISTS images (
-    sha256  VARCHAR PRIMARY KEY,
-    mime    VARCHAR,
-    data    BLOB NOT NULL
-);
-CREATE TABLE IF NOT EXISTS call_images (
-    call_id VARCHAR NOT NULL,
-    sha256  VARCHAR NOT NULL
-);
-
--- Added in 1 (compatible): the per-call token ids and conversation keys reconstruct rebuilds episodes
--- from when a later run adds calls or rewards to them. The trainer never needs to read it.
+-- The per-call token ids and conversation keys reconstruct rebuilds episodes from when a later run adds calls
+-- or rewards to them. The trainer never needs to read it.
 CREATE TABLE IF NOT EXISTS call_tokens (
     call_id             VARCHAR PRIMARY KEY,
     episode_id          VARCHAR NOT NULL,
@@ -121,23 +110,23 @@ CREATE TABLE IF NOT EXISTS call_tokens (
     t_start             DOUBLE,
     seq                 BIGINT,
     token_source        VARCHAR NOT NULL,  -- engine | retokenized | mixed (engine completion, rendered prompt)
-    prompt_ids          INTEGER[] NOT NULL, -- since 2: what follows the prefix below (all of it when no prefix)
+    prompt_ids          INTEGER[] NOT NULL, -- what follows the prefix below (all of it when no prefix)
     completion_ids      INTEGER[] NOT NULL,
     completion_logprobs FLOAT[],           -- aligned with completion_ids; NULL if the engine gave none
     conv_hashes         VARCHAR[] NOT NULL, -- loose hash of each conversation prefix (tools, then messages)
     conv_end            VARCHAR NOT NULL,   -- loose hash of messages + completion
     strict_hashes       VARCHAR[] NOT NULL, -- the same without normalisation (ids, argument bytes, reasoning)
     strict_end          VARCHAR NOT NULL,
-    messages            JSON,               -- canonical conversation (chat-template shape); NULL since call_messages
-    tools               JSON,               -- NULL since call_messages
+    messages            JSON,               -- JSON null: the call had a prompt text, no conversation; NULL: the
+                                            -- conversation is read back from call_messages by strict_hashes
     completion          JSON,               -- canonical assistant message the call produced
-    -- Since 2: the prompt starts with the first prefix_len ids of this earlier call's prompt + completion
+    -- The prompt starts with the first prefix_len ids of this earlier call's prompt + completion
     -- (same episode); NULL: prompt_ids is the whole prompt. Keeps an episode O(n) tokens, not O(n^2).
     prefix_call_id      VARCHAR,
     prefix_len          INTEGER
 );
 
--- Added in 1 (compatible): each tools list and conversation message once, keyed by its strict prefix hash
+-- Each tools list and conversation message once, keyed by its strict prefix hash
 -- (call_tokens.strict_hashes[1] is the tools, [k+1] the k-th message). A call's conversation is
 -- read back from its strict hashes when a near-continuation is classified; storing it per call would
 -- cost O(turns^2) bytes per episode.

@@ -13,7 +13,9 @@ def collect(db: str | Path) -> dict[str, Any]:
 
     con = duckdb.connect(str(db), read_only=True)
     try:
-        one = lambda q: con.execute(q).fetchone()  # noqa: E731
+        def one(query: str) -> tuple[Any, ...]:
+            return con.execute(query).fetchone() or ()
+
         episodes, extra_chains = one("SELECT count(*), coalesce(sum(n_samples - 1), 0) FROM episodes")
         calls, prompt_engine, completion_engine, mismatch = one(
             "SELECT count(*), count(*) FILTER (token_source = 'engine'), "

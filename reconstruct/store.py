@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = "3"
+if TYPE_CHECKING:
+    import duckdb
+
+SCHEMA_VERSION = "4"
 # statements that bring a database of the previous version to the next one
 MIGRATIONS = {
-    "1": [
-        "ALTER TABLE call_tokens ADD COLUMN IF NOT EXISTS prefix_call_id VARCHAR",
-        "ALTER TABLE call_tokens ADD COLUMN IF NOT EXISTS prefix_len INTEGER",
-        "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
-    ],
     # role-aware samples: every episode is rebuilt by the next run (samples of other roles stop being trainable)
     "2": [
         "ALTER TABLE calls ADD COLUMN IF NOT EXISTS engine_model VARCHAR",
@@ -27,7 +25,23 @@ MIGRATIONS = {
         "DELETE FROM episodes",
         "UPDATE meta SET value = '3' WHERE key = 'schema_version'",
     ],
+    # columns and tables nothing writes: conversations live in call_messages, calls with images are skipped
+    "3": [
+        "ALTER TABLE call_tokens DROP COLUMN IF EXISTS tools",
+        "DROP TABLE IF EXISTS call_images",
+        "DROP TABLE IF EXISTS images",
+        "UPDATE meta SET value = '4' WHERE key = 'schema_version'",
+    ],
 }
+# A database whose rows a migration would lose: (query counting them, what they are) per version.
+UNMIGRATABLE = {
+    "3": ("SELECT (SELECT count(*) FROM call_tokens WHERE tools IS NOT NULL) + (SELECT count(*) FROM images)",
+          "per-call conversations or images, written by a reconstruct older than schema 3"),
+}
+# A buffer is flushed once it holds this many rows or numeric list elements (~4 MB as numpy, whatever the
+# prompt length): memory stays flat on any corpus.
+FLUSH_EVERY = 256
+FLUSH_CELLS = 1_000_000
 
 _I32_LIST = pa.list_(pa.int32())
 _U8_LIST = pa.list_(pa.uint8())
@@ -62,8 +76,6 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "engine_model": pa.string(),
     "finish_reason": pa.string(),
     "task_id": pa.string(),
-    "mime": pa.string(),
-    "data": pa.binary(),
 }
 
 
@@ -84,26 +96,46 @@ _KINDS = {c: _kind(t) for c, t in COLUMN_TYPES.items()}
 
 
 def schema_sql() -> str:
-    return resources.files("reconstruct").joinpath("schema.sql").read_text()
+    return resources.files("openforge.reconstruct").joinpath("schema.sql").read_text()
 
 
-def connect(db: str | Path) -> Any:
-    """Open (creating if needed) a database, apply the schema, migrate an older version; refuse a newer one."""
+def connect(db: str | Path) -> duckdb.DuckDBPyConnection:
+    """Open (creating if needed) a database, apply the schema, migrate an older version; refuse any other
+    version (a newer one, or one too old to migrate) with a sentence that says to rebuild it."""
     import duckdb
 
     con = duckdb.connect(str(db))
     con.execute(schema_sql())
-    version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+    version = _version(con)
     while version in MIGRATIONS:
+        if version in UNMIGRATABLE:
+            query, what = UNMIGRATABLE[version]
+            if _count(con, query):
+                con.close()
+                raise ValueError(f"{db}: schema version {version} holding {what}: {REBUILD}")
         con.begin()
         for statement in MIGRATIONS[version]:
             con.execute(statement)
         con.commit()
-        version = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+        version = _version(con)
     if version != SCHEMA_VERSION:
         con.close()
-        raise ValueError(f"{db}: schema version {version}, this reconstruct writes {SCHEMA_VERSION}")
+        raise ValueError(f"{db}: schema version {version}; this reconstruct writes {SCHEMA_VERSION} and migrates from "
+                         f"{', '.join(MIGRATIONS)}: {REBUILD}")
     return con
+
+
+REBUILD = "reconstruct the flow files into a new database (--db)"
+
+
+def _version(con: duckdb.DuckDBPyConnection) -> str:
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return str(row[0]) if row else ""
+
+
+def _count(con: duckdb.DuckDBPyConnection, query: str) -> int:
+    row = con.execute(query).fetchone()
+    return int(row[0]) if row else 0
 
 
 def numeric_list_array(values: list[np.ndarray | None], typ: pa.ListType) -> pa.Array:
@@ -143,7 +175,8 @@ def check(column: str, value: Any) -> Any:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _fits_double(value)
         value = float(value) if ok else value
     else:
-        ok = isinstance(value, int) and not isinstance(value, bool) and -(1 << (kind - 1)) <= value < 1 << (kind - 1)
+        half = 1 << (int(kind) - 1)  # an int column's bit width
+        ok = isinstance(value, int) and not isinstance(value, bool) and -half <= value < half
     if not ok:
         raise BadValue(f"{column}: {type(value).__name__} {str(value)[:60]!r} does not fit {COLUMN_TYPES[column]}")
     return value

@@ -73,7 +73,7 @@ class Retokenizer:
         self.vocab_size = len(tokenizer)
         self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._backend = backend
+        self._backend: Any = backend  # a `tokenizers.Tokenizer`; used only when `_split` is set, which needs it
         added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
         self._added = added
         self._split = (

@@ -35,7 +35,9 @@ class TreeCall:
 
 
 @dataclass
-class Sample:
+class SampleRow:
+    """One chain of calls as a training sample: what becomes a row of the `samples` table."""
+
     path: list[int]  # indices of the calls on this chain, root first
     owned: list[int]  # calls whose completion is trainable here
     input_ids: np.ndarray
@@ -73,7 +75,7 @@ def near_misses(calls: list[TreeCall], parents: list[int | None]) -> list[tuple[
     return out
 
 
-def chains(calls: list[TreeCall], parents: list[int | None]) -> list[Sample]:
+def chains(calls: list[TreeCall], parents: list[int | None]) -> list[SampleRow]:
     """One sample per leaf; each call's completion is owned by the first leaf below it."""
     children: list[list[int]] = [[] for _ in calls]
     for i, p in enumerate(parents):
@@ -103,6 +105,6 @@ def chains(calls: list[TreeCall], parents: list[int | None]) -> list[Sample]:
                 lps[start:stop] = calls[i].logprobs
         sources = {calls[i].token_source for i in path}
         samples.append(
-            Sample(path, owned, ids, mask, lps, sources.pop() if len(sources) == 1 else "mixed")
+            SampleRow(path, owned, ids, mask, lps, sources.pop() if len(sources) == 1 else "mixed")
         )
     return samples

@@ -7,6 +7,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from openforge.addons import flowfile
 from openforge.addons.flowfile import FlowWriter, UnsupportedVersion, expand_paths, open_flow_file, pack
 
 pytestmark = pytest.mark.addon
@@ -92,3 +93,40 @@ def test_damaged_bytes_spoil_only_what_they_hit(tmp_path: Path) -> None:
     ff = open_flow_file(path)
     assert [r["id"] for r in ff.records()] == ["id0", "id1", "\ufffd", "no-type", "id3"]
     assert "TypeError" in ff.error and not ff.torn_tail
+
+
+def test_read_header_reads_the_header_alone_and_names_what_is_not_one(tmp_path: Path) -> None:
+    w = FlowWriter(tmp_path, "hdr")
+    w.write(exchange(0))
+    w.close()
+    (path,) = expand_paths([tmp_path])
+    header = flowfile.read_header(path)
+    assert set(header) == set(flowfile.FileHeader.__annotations__) and header["proxy"] == "hdr"
+    ff = open_flow_file(path)
+    list(ff.records())
+    assert flowfile.header_id(header) == ff.file_id and ff.header == header
+    headerless = tmp_path / "x.flows"
+    headerless.write_bytes(pack(exchange(0)))
+    with pytest.raises(flowfile.NotAFlowFile, match="no header record"):
+        flowfile.read_header(headerless)
+    headerless.write_bytes(b"")
+    with pytest.raises(flowfile.NotAFlowFile, match="not a flow file"):
+        flowfile.read_header(headerless)
+    newer = tmp_path / "newer.flows"  # the version is for `records()` to refuse (reconstruct: corrupt_file)
+    newer.write_bytes(msgpack.packb({"type": "header", "v": 99}) + pack(exchange(0)))
+    assert flowfile.read_header(newer)["v"] == 99
+
+
+def test_record_types_name_every_field_of_the_format_doc() -> None:
+    """The TypedDicts and docs/flow-format.md list the same fields, record by record."""
+    doc = (Path(__file__).parents[1] / "docs" / "flow-format.md").read_text()
+    sections = {"Header record": flowfile.FileHeader, "Exchange record": flowfile.ExchangeRecord,
+                "Reward record": flowfile.RewardRecord}
+    for title, typ in sections.items():
+        table = doc.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+        fields: set[str] = set()
+        for line in table.splitlines():
+            if line.startswith("| `"):
+                fields.update(f.strip("` ") for f in line.split("|")[1].split(","))
+        assert fields == set(typ.__annotations__), title
+    assert flowfile.RewardRecord.__optional_keys__ == {"reward_policy"}

@@ -74,9 +74,9 @@ def test_reconstruct_conversation_stored_once_and_read_back_by_a_later_run(tmp_p
     run(tmp_path, retok)
     db = tmp_path / "db.duckdb"
     n_messages = sum(len(json.loads(r["upstream_request"]["body"])["messages"]) for r in records)
-    [row] = db_rows(db, "SELECT count(*) n, count(messages) m, count(tools) t FROM call_tokens")
+    [row] = db_rows(db, "SELECT count(*) n, count(messages) m FROM call_tokens")
     [stored] = db_rows(db, "SELECT count(*) n FROM call_messages")
-    assert (row["n"], row["m"], row["t"]) == (4, 0, 0)
+    assert (row["n"], row["m"]) == (4, 0)
     assert stored["n"] < n_messages  # shared prefixes stored once (tools + distinct messages + completions)
     g = FlowFactory(tmp_path / "flows", seed=9)  # a new file: the reward makes the next run rebuild "ep"
     g.write(g.reward("ep", 1.0))
@@ -202,7 +202,7 @@ def test_reconstruct_reingest_adds_nothing_and_growth_rebuilds(tmp_path, retok):
 def test_reconstruct_pass2_chunking_changes_nothing(tmp_path, retok, monkeypatch):
     """Pass 2 reads episodes in chunks and flushes samples while reading: one episode per read and a
     flush after every sample must give the very rows the defaults give."""
-    import openforge.reconstruct.api as api
+    from openforge.reconstruct import rebuild, store
 
     f = FlowFactory(tmp_path / "a" / "flows", seed=12)
     for n in range(3):
@@ -211,8 +211,8 @@ def test_reconstruct_pass2_chunking_changes_nothing(tmp_path, retok, monkeypatch
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "flows").symlink_to(tmp_path / "a" / "flows")
     run(tmp_path / "a", retok)
-    monkeypatch.setattr(api, "READ_CELLS", 1)
-    monkeypatch.setattr(api, "FLUSH_EVERY", 1)
+    monkeypatch.setattr(rebuild, "READ_CELLS", 1)
+    monkeypatch.setattr(store, "FLUSH_EVERY", 1)
     run(tmp_path / "b", retok)
     sql = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"
     a, b = (db_rows(tmp_path / n / "db.duckdb", sql) for n in "ab")

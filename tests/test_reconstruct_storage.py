@@ -1,6 +1,6 @@
 """How reconstruct stores calls: prompts as suffixes of the episode's previous call (engine prompt ids
-parsed only past it), a transaction per batch (a run that dies mid-file resumes), and databases of schema
-version 1 migrated in place."""
+parsed only past it), a transaction per batch (a run that dies mid-file resumes), databases of older schema
+versions migrated in place or refused with a rebuild message, and no column that nothing writes."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 import duckdb
+import msgpack
 import numpy as np
 import pytest
 
-import openforge.reconstruct.api as api
-from openforge.reconstruct import protocols, reconstruct
+from openforge.reconstruct import Summary, protocols, reconstruct, store
+from openforge.reconstruct.ingest import Ingest
 from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
 from openforge.reconstruct.protocols import RawIds
 from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
@@ -31,7 +32,7 @@ def corpus(directory: Path, seed: int = 3) -> FlowFactory:
     return f
 
 
-def run(db: Path, flows: Path, retok) -> api.Summary:
+def run(db: Path, flows: Path, retok) -> Summary:
     return reconstruct([flows], db, retok, missing_reward="keep")
 
 
@@ -157,8 +158,8 @@ def test_splitter_forgets_old_episodes_and_expand_resolves_any_order():
 def test_run_dying_mid_file_resumes_after_the_last_committed_batch(tmp_path, retok, monkeypatch):
     corpus(tmp_path / "flows")
     run(tmp_path / "clean.duckdb", tmp_path / "flows", retok)
-    monkeypatch.setattr(api, "FLUSH_EVERY", 2)
-    real, seen = api._ingest_record, []
+    monkeypatch.setattr(store, "FLUSH_EVERY", 2)
+    real, seen = Ingest._record, []
 
     def dies_at_seventh(*args, **kwargs):
         seen.append(1)
@@ -166,12 +167,12 @@ def test_run_dying_mid_file_resumes_after_the_last_committed_batch(tmp_path, ret
             raise KeyboardInterrupt  # Ctrl-C in the middle of a file, after a few committed batches
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "_ingest_record", dies_at_seventh)
+    monkeypatch.setattr(Ingest, "_record", dies_at_seventh)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "resumed.duckdb", tmp_path / "flows", retok)
     partial = db_rows(tmp_path / "resumed.duckdb", "SELECT n_records, n_bytes FROM ingested_files")
     assert partial == [{"n_records": 6, "n_bytes": -1}]
-    monkeypatch.setattr(api, "_ingest_record", real)
+    monkeypatch.setattr(Ingest, "_record", real)
     s = run(tmp_path / "resumed.duckdb", tmp_path / "flows", retok)
     assert s.files_ingested == 1 and s.records == s.calls + s.rewards > 0
     a, b = (json.dumps(db_rows(tmp_path / f"{n}.duckdb", SAMPLES), default=str) for n in ("clean", "resumed"))
@@ -180,29 +181,85 @@ def test_run_dying_mid_file_resumes_after_the_last_committed_batch(tmp_path, ret
     assert db_rows(tmp_path / "clean.duckdb", calls) == db_rows(tmp_path / "resumed.duckdb", calls)
 
 
-def test_schema_version_1_database_is_migrated(tmp_path, retok, monkeypatch):
-    """A version-1 database (whole prompts, no prefix columns) takes new calls of its episodes."""
+def old_database(db: Path, version: str) -> None:
+    """Turn a database this reconstruct wrote into one of an older schema version (its columns and tables)."""
+    con = duckdb.connect(str(db))
+    con.execute("ALTER TABLE call_tokens ADD COLUMN tools JSON")  # in 3 and before, never written since 1
+    con.execute("CREATE TABLE images (sha256 VARCHAR PRIMARY KEY, mime VARCHAR, data BLOB NOT NULL)")
+    con.execute("CREATE TABLE call_images (call_id VARCHAR NOT NULL, sha256 VARCHAR NOT NULL)")
+    if version in ("1", "2"):
+        for table, column in (("calls", "engine_model"), ("calls", "prompt_check"), ("samples", "role"),
+                              ("samples", "toolchain")):  # added in 3
+            con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+    if version == "1":
+        con.execute("ALTER TABLE call_tokens DROP COLUMN prefix_call_id")
+        con.execute("ALTER TABLE call_tokens DROP COLUMN prefix_len")
+    con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [version])
+    con.close()
+
+
+@pytest.mark.parametrize("version", ["2", "3"])
+def test_schema_version_2_and_3_databases_are_migrated(tmp_path, retok, version):
+    """An older database takes new calls of its episodes and gives the samples a fresh one gives."""
     f = FlowFactory(tmp_path / "first", seed=5)
     f.tool_loop("ep", turns=2, engine_ids=True)
     f.close()
     g = FlowFactory(tmp_path / "second", seed=6)
-    g.tool_loop("ep", turns=2, engine_ids=True)  # the same episode: old whole prompts and new suffixes meet
+    g.tool_loop("ep", turns=2, engine_ids=True)  # the same episode: old and new calls meet
     g.close()
     old = tmp_path / "old.duckdb"
-    with monkeypatch.context() as m:
-        m.setattr(PrefixSplitter, "split", no_split)
-        run(old, tmp_path / "first", retok)
-    con = duckdb.connect(str(old))
-    con.execute("ALTER TABLE call_tokens DROP COLUMN prefix_call_id")
-    con.execute("ALTER TABLE call_tokens DROP COLUMN prefix_len")
-    for table, column in (("calls", "engine_model"), ("calls", "prompt_check"), ("samples", "role"),
-                          ("samples", "toolchain")):  # added in 3
-        con.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
-    con.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    con.close()
+    run(old, tmp_path / "first", retok)
+    old_database(old, version)
     run(old, tmp_path / "second", retok)
     for flows in ("first", "second"):
         run(tmp_path / "fresh.duckdb", tmp_path / flows, retok)
-    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": "3"}]
+    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": store.SCHEMA_VERSION}]
+    tables = "SELECT table_name, column_name FROM information_schema.columns ORDER BY ALL"
+    assert db_rows(old, tables) == db_rows(tmp_path / "fresh.duckdb", tables)
     a, b = (json.dumps(db_rows(tmp_path / n, SAMPLES), default=str) for n in ("old.duckdb", "fresh.duckdb"))
     assert a == b and len(json.loads(a)) >= 2
+
+
+def test_database_too_old_to_migrate_is_refused_with_a_rebuild_message(tmp_path, retok):
+    """Version 1, and a version 3 holding rows a migration would lose (per-call conversations written before
+    `call_messages`): refused, untouched, with a sentence that says to rebuild."""
+    corpus(tmp_path / "flows")
+    for version, legacy in (("1", False), ("3", True)):
+        db = tmp_path / f"v{version}.duckdb"
+        run(db, tmp_path / "flows", retok)
+        old_database(db, version)
+        if legacy:
+            con = duckdb.connect(str(db))
+            con.execute("UPDATE call_tokens SET tools = '[]', messages = '[]'")
+            con.close()
+        with pytest.raises(ValueError, match=f"schema version {version}.*reconstruct the flow files into a new"):
+            run(db, tmp_path / "flows", retok)
+        assert db_rows(db, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": version}]
+
+
+def test_every_column_is_written(tmp_path, retok):
+    """No column or table of the schema is left NULL by every run: calls, a reward and a damaged record fill
+    them all, but `call_tokens.messages`, which holds JSON null only for a call that sent a prompt text."""
+    f = FlowFactory(tmp_path / "flows", seed=4)
+    f.tool_loop("ep", turns=2, engine_ids=True)
+    f.write(f.reward("ep", 1.0, task_id="t"))
+    f.write({"type": "mystery", "id": "x"})  # type: ignore[typeddict-item] - a damaged record, for `skipped`
+    f.close()
+    db = tmp_path / "db.duckdb"
+    reconstruct([tmp_path / "flows"], db, retok, run="r1")
+    columns = db_rows(db, "SELECT table_name t, column_name c FROM information_schema.columns ORDER BY ALL")
+    unwritten = [f"{r['t']}.{r['c']}" for r in columns
+                 if db_rows(db, f'SELECT count("{r["c"]}") n FROM "{r["t"]}"')[0]["n"] == 0]
+    assert unwritten == ["call_tokens.messages"]
+
+
+def test_flow_file_of_another_version_is_a_corrupt_file_not_an_unreadable_one(tmp_path, retok):
+    """The header alone decides whether a file is a flow file; its version is refused while reading it."""
+    (tmp_path / "flows").mkdir()
+    (tmp_path / "flows" / "x.flows").write_bytes(
+        msgpack.packb({"type": "header", "v": 99}) + msgpack.packb({"type": "exchange", "id": "a"})
+    )
+    s = reconstruct([tmp_path / "flows"], tmp_path / "db.duckdb", retok)
+    assert dict(s.skipped) == {"corrupt_file": 1}
+    [row] = db_rows(tmp_path / "db.duckdb", "SELECT reason, detail FROM skipped")
+    assert "flow format version 99" in row["detail"]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from openforge.addons.flowfile import FlowWriter
+from openforge.addons.flowfile import ExchangeRecord, FlowRecord, FlowWriter, HttpResponse, RewardRecord
 
 SYSTEM = "You are a careful coding agent. Use the bash tool to inspect the repository before answering."
 BASH = {
@@ -80,7 +80,7 @@ class FlowFactory:
         toolchain: str = "openai-python",
         finish: str | None = None,
         reported_prompt_tokens: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> ExchangeRecord:
         """One Chat Completions exchange whose answer is `assistant` (content, reasoning_content, tool_calls).
 
         `finish="length"`: the engine stopped at max_tokens, so no end-of-turn token was generated.
@@ -100,6 +100,7 @@ class FlowFactory:
         upstream = dict(body, return_token_ids=True, logprobs=True) if engine_ids else body
         finish = finish or ("tool_calls" if assistant.get("tool_calls") else "stop")
         usage = {"prompt_tokens": reported_prompt_tokens or len(prompt_ids), "completion_tokens": len(ids)}
+        response: HttpResponse
         if stream:
             response = {"status": 200, "headers": [["content-type", "text/event-stream"]], "body": None,
                         "chunks": self._sse_chunks(assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish, usage),
@@ -154,8 +155,9 @@ class FlowFactory:
         offsets = sorted(self.wire_rng.sample(range(1, len(stream)), 5))
         return [[self.t, stream[a:b]] for a, b in zip([0] + offsets, offsets + [len(stream)])]
 
-    def _exchange(self, protocol, body, upstream, response, episode, engine_ids, role="agent",
-                  toolchain="openai-python") -> dict[str, Any]:
+    def _exchange(self, protocol: str, body: dict[str, Any], upstream: dict[str, Any], response: HttpResponse,
+                  episode: str | None, engine_ids: bool, role: str = "agent",
+                  toolchain: str = "openai-python") -> ExchangeRecord:
         self.seq += 1
         self.t += 1.0
         req = {"method": "POST", "url": "http://127.0.0.1:8000/v1/chat/completions", "headers": [["content-type", "application/json"]]}
@@ -170,12 +172,12 @@ class FlowFactory:
             "translated": None, "has_token_ids": engine_ids, "error": None,
         }
 
-    def reward(self, episode: str, reward: float, task_id: str | None = None) -> dict[str, Any]:
+    def reward(self, episode: str, reward: float, task_id: str | None = None) -> RewardRecord:
         self.seq += 1
         return {"type": "reward", "id": uuid.uuid4().hex, "proxy": self.writer.instance, "seq": self.seq,
                 "t": self.t, "episode": episode, "reward": reward, "task_id": task_id, "metadata": {"by": "test"}}
 
-    def write(self, record: dict[str, Any]) -> dict[str, Any]:
+    def write(self, record: FlowRecord) -> FlowRecord:
         self.writer.write(record)
         return record
 
@@ -197,7 +199,7 @@ class FlowFactory:
         system: str = SYSTEM,
         task: str = "Find the test files",
         tool_output: Callable[[int], str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[FlowRecord]:
         """An agent loop: `turns` tool calls then a final answer, as the client would send it each turn."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
         records = []
