@@ -6,6 +6,8 @@ SGLang also reports them under `sglext`; llama.cpp's server puts each token's `i
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 
@@ -53,6 +55,38 @@ def has_token_ids(obj: Any) -> bool:
     for choice in obj.get("choices") or ():
         if isinstance(choice, dict):
             if choice.get("token_ids") or choice.get("prompt_token_ids") or llamacpp_has_ids(choice):
+                return True
+    return False
+
+
+# After a `token_ids"` key: a non-empty list. Quotes inside JSON strings are escaped, so `token_ids"`
+# preceded by a quote (or by `"prompt_`) can only be a key.
+_NON_EMPTY_LIST = re.compile(rb'\s*:\s*\[\s*\d')
+_LOGPROBS_OBJECT = re.compile(rb'"logprobs"\s*:\s*\{')
+
+
+def body_has_token_ids(body: bytes | None) -> bool:
+    """`has_token_ids` of a JSON answer, parsing it only for llama.cpp-style ids in logprobs."""
+    if not body:
+        return False
+    i = body.find(b'token_ids"')  # a plain search: a regex starting at every quote of the body is ~10x slower
+    while i != -1:
+        if (body[i - 1:i] == b'"' or body[max(0, i - 8):i] == b'"prompt_') and _NON_EMPTY_LIST.match(body, i + 10):
+            return True
+        i = body.find(b'token_ids"', i + 10)
+    if b'"id"' not in body or not _LOGPROBS_OBJECT.search(body):
+        return False
+    try:
+        return has_token_ids(json.loads(body))
+    except ValueError:
+        return False
+
+
+def stream_has_token_ids(chunks: list[list[Any]]) -> bool:
+    """Scan a finished SSE stream (off the per-chunk path) for an event that carries token ids."""
+    for line in b"".join(c[1] for c in chunks).split(b"\n"):
+        if line.startswith(b"data:") and (b"token_ids" in line or b'"logprobs"' in line):
+            if body_has_token_ids(line[5:].strip()):
                 return True
     return False
 

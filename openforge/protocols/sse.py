@@ -3,6 +3,7 @@ arriving in network reads of any size."""
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 
@@ -81,3 +82,15 @@ def events(raw: bytes, torn: bool = False) -> list[Event]:
     reader = SseReader()
     out = reader.feed(raw)
     return out + reader.flush() if torn else out
+
+
+# The event that tells a client its streamed answer is complete, at the start of a line: Chat and Completions
+# `data: [DONE]`, Anthropic `message_stop`, Responses `response.completed` / `.incomplete` / `.failed`.
+_TERMINAL = re.compile(rb"(?:^|\n)(?:data: ?\[DONE\]|"
+                       rb"event: ?(?:message_stop|response\.(?:completed|incomplete|failed))\b)")
+_TERMINAL_HINTS = (b"[DONE]", b"message_stop", b"response.completed", b"response.incomplete", b"response.failed")
+
+
+def has_terminal_event(out: bytes) -> bool:
+    """Whether bytes for the client hold its stream's terminal event (substring tests first: cheap)."""
+    return any(h in out for h in _TERMINAL_HINTS) and _TERMINAL.search(out) is not None
