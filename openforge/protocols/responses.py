@@ -150,10 +150,24 @@ def messages(body: dict, drops: Drops) -> list[dict]:
             content = output if isinstance(output, str) else _parts(output, drops, where)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
         elif kind == "reasoning":
-            drops.extra(item, {"type", "content", "id", "status"})  # summary, encrypted_content
-            reasoning.extend(p.get("text", "") for p in item.get("content") or [])
+            text, consumed = _reasoning(item)
+            drops.extra(item, consumed)  # encrypted_content
+            if text is not None:
+                reasoning.append(text)
         else:
             raise ProtocolError(400, f"{where}: input item type {kind!r} is not supported by the engine")
     if reasoning:
         drops.add("reasoning")
     return out
+
+
+def _reasoning(item: dict) -> tuple[str | None, set[str]]:
+    """A reasoning item's text and the fields it was read from: its `content` texts as generated (joined
+    by ""), else, where the server kept them back, its `summary` paragraphs (joined by "\\n"); None when
+    it has neither (encrypted only)."""
+    if item.get("content"):
+        return "".join(p.get("text", "") for p in item["content"]), {"type", "content", "id", "status"}
+    if item.get("summary"):
+        summary = "\n".join(p.get("text", "") for p in item["summary"] if isinstance(p, dict))
+        return summary, {"type", "content", "summary", "id", "status"}
+    return None, {"type", "content", "id", "status"}
