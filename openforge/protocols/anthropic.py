@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .chat import Drops, function_tool, text_content, tool_call, unsupported_tool
+from .chat import Drops, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
 _HANDLED = {
@@ -17,13 +17,8 @@ _HANDLED = {
 
 def request(body: dict, drops: Drops) -> dict:
     """The Chat Completions body for an Anthropic request (without `stream`); raises ProtocolError."""
-    chat: dict[str, Any] = {}
-    if "model" in body:
-        chat["model"] = body["model"]
-    chat["messages"] = messages(body, drops)
-    tools = body.get("tools") or []
-    if tools:
-        chat["tools"] = [_tool(t, drops) for t in tools]
+    chat = begin(body, messages(body, drops), [_tool(t, drops) for t in body.get("tools") or []])
+    if "tools" in chat:
         choice = body.get("tool_choice")
         if isinstance(choice, dict):
             kind = choice.get("type")

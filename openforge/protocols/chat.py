@@ -24,6 +24,17 @@ class Drops:
                 self.add(key)
 
 
+def begin(body: dict, messages: list[dict], tools: list[dict]) -> dict[str, Any]:
+    """A Chat Completions body begun from a client's: its model, messages and tools, in that order."""
+    chat: dict[str, Any] = {}
+    if "model" in body:
+        chat["model"] = body["model"]
+    chat["messages"] = messages
+    if tools:
+        chat["tools"] = tools
+    return chat
+
+
 def text_content(parts: list[dict]) -> str | list[dict]:
     """All-text part lists become one string (stable prompts whether a client sends a string or a
     one-element list); anything with an image stays a list of Chat Completions parts."""

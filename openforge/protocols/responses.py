@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chat import Drops, function_tool, text_content, tool_call, unsupported_tool
+from .chat import Drops, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
 # Chat Completions' reasoning_effort takes low/medium/high on the engines we target.
@@ -24,13 +24,8 @@ def request(body: dict, drops: Drops) -> dict:
             raise ProtocolError(400, f"{key} needs server-side state; send the full input instead (store: false)")
     if body.get("background"):
         raise ProtocolError(400, "background responses are not supported; send a foreground request")
-    chat: dict[str, Any] = {}
-    if "model" in body:
-        chat["model"] = body["model"]
-    chat["messages"] = messages(body, drops)
-    tools = body.get("tools") or []
-    if tools:
-        chat["tools"] = [_tool(t, drops) for t in tools]
+    chat = begin(body, messages(body, drops), [_tool(t, drops) for t in body.get("tools") or []])
+    if "tools" in chat:
         choice = body.get("tool_choice")
         if isinstance(choice, str):
             chat["tool_choice"] = choice
