@@ -56,10 +56,11 @@ class SseReader:
     def __init__(self) -> None:
         self._buf = b""
 
-    def feed(self, data: bytes) -> list[Event]:
+    def feed(self, data: bytes, last: bool = False) -> list[Event]:
+        """The events `data` completes; `last` when nothing follows it (a trailing CR ends its line)."""
         buf = self._buf + data
         hold = b""
-        if buf.endswith(b"\r"):
+        if buf.endswith(b"\r") and not last:
             buf, hold = buf[:-1], b"\r"
         complete, rest = split_complete(buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n"))
         self._buf = rest + hold
@@ -80,7 +81,7 @@ def _events(complete: bytes) -> list[Event]:
 def events(raw: bytes, torn: bool = False) -> list[Event]:
     """The events of a whole body; an unterminated last one too when `torn` (else it counts as cut short)."""
     reader = SseReader()
-    out = reader.feed(raw)
+    out = reader.feed(raw, last=True)
     return out + reader.flush() if torn else out
 
 
