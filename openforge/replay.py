@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from openforge.addons import profiles
 from openforge.addons.flowfile import expand_paths, open_flow_file
-from openforge.protocols import errors, sse
+from openforge.protocols import anthropic, chat, errors, responses, sse
 from openforge.protocols.endpoints import LLM_PROTOCOLS, protocol_of, strip_prefixes
 
 Side = Literal["client", "engine"]
@@ -455,6 +455,11 @@ def _event_objects(events: list[sse.Event]) -> Iterator[Any]:
                 yield obj
 
 
+# What each protocol's answers say was generated (openforge.protocols).
+_GENERATED = {"chat": chat.generated, "completions": chat.generated, "anthropic": anthropic.generated,
+              "responses": responses.generated}
+
+
 class CompletionParser:
     """Accumulates a completion from a response body or SSE events of any supported protocol."""
 
@@ -466,56 +471,16 @@ class CompletionParser:
         """Add one (streamed or whole) JSON answer; True if it carried generated content."""
         if not isinstance(obj, dict):
             return False
-        before = (len(self.c.text), len(self.c.token_ids or []))
-        p = self.protocol
-        if p in ("chat", "completions"):
-            for ch in (obj.get("choices") or [])[:1]:
-                part = ch.get("delta") or ch.get("message") or {}
-                self.c.text += ch.get("text") or part.get("content") or ""
-                self.c.text += part.get("reasoning_content") or ""
-                for tc in part.get("tool_calls") or []:
-                    fn = tc.get("function") or {}
-                    self.c.text += (fn.get("name") or "") + (fn.get("arguments") or "")
-                if ch.get("token_ids") is not None:
-                    self.c.token_ids = (self.c.token_ids or []) + list(ch["token_ids"])
-            usage = obj.get("usage") or {}
-            if usage.get("completion_tokens") is not None:
-                self.c.output_tokens = usage["completion_tokens"]
-        elif p == "anthropic":
-            t = obj.get("type")
-            if t == "content_block_delta":
-                d = obj.get("delta") or {}
-                self.c.text += d.get("text") or d.get("partial_json") or d.get("thinking") or ""
-            elif t == "content_block_start":
-                b = obj.get("content_block") or {}
-                self.c.text += b.get("name") or ""
-            elif t == "message" or "content" in obj and "role" in obj:
-                for b in obj.get("content") or []:
-                    self.c.text += b.get("text") or b.get("thinking") or ""
-                    if b.get("type") == "tool_use":
-                        self.c.text += b.get("name", "") + json.dumps(b.get("input"), sort_keys=True)
-            usage = obj.get("usage") or (obj.get("message") or {}).get("usage") or {}
-            if usage.get("output_tokens") is not None:
-                self.c.output_tokens = usage["output_tokens"]
-        elif p == "responses":
-            t = obj.get("type", "")
-            if t in ("response.output_text.delta", "response.function_call_arguments.delta",
-                     "response.reasoning_text.delta"):
-                self.c.text += obj.get("delta") or ""
-            elif t == "response.output_item.added":
-                self.c.text += (obj.get("item") or {}).get("name") or ""
-            resp = obj.get("response") if t else obj
-            if isinstance(resp, dict):
-                if not t:  # non-streamed: the whole response object
-                    for item in resp.get("output") or []:
-                        self.c.text += item.get("name") or ""
-                        self.c.text += item.get("arguments") or ""
-                        for part in item.get("content") or []:
-                            self.c.text += part.get("text") or ""
-                usage = resp.get("usage") or {}
-                if usage.get("output_tokens") is not None:
-                    self.c.output_tokens = usage["output_tokens"]
-        return (len(self.c.text), len(self.c.token_ids or [])) != before
+        read = _GENERATED.get(self.protocol)
+        if read is None:
+            return False
+        new = read(obj)
+        self.c.text += new.text
+        if new.token_ids is not None:
+            self.c.token_ids = (self.c.token_ids or []) + new.token_ids
+        if new.output_tokens is not None:
+            self.c.output_tokens = new.output_tokens
+        return bool(new.text or new.token_ids)
 
     def feed_body(self, body: bytes) -> None:
         self.feed_event(json_body(body))

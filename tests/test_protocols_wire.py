@@ -93,3 +93,26 @@ def test_engine_ids_by_engine() -> None:
     assert engine_ids.llamacpp_completion_ids([7, None], {}) == []
     assert engine_ids.has_token_ids({"choices": [{"logprobs": {"content": [{"id": 1}]}}]})
     assert profiles.has_token_ids is engine_ids.has_token_ids
+
+
+def test_generated_text_of_a_stream_is_that_of_the_whole_answer() -> None:
+    from openforge.protocols import anthropic, chat, responses
+
+    chunks = [{"choices": [{"delta": {"reasoning_content": "r"}, "token_ids": [1]}]},
+              {"choices": [{"delta": {"content": "ok", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+                            "token_ids": [2]}], "usage": {"completion_tokens": 2}}]
+    streamed = [chat.generated(c) for c in chunks]
+    whole = chat.generated({"choices": [{"message": {"content": "ok", "reasoning_content": "r", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}, "token_ids": [1, 2]}], "usage": {"completion_tokens": 2}})
+    assert sorted("".join(g.text for g in streamed)) == sorted(whole.text)
+    assert [i for g in streamed for i in g.token_ids or []] == whole.token_ids and whole.output_tokens == 2
+    events = [{"type": "content_block_start", "content_block": {"type": "tool_use", "name": "f"}},
+              {"type": "content_block_delta", "delta": {"type": "input_json_delta", "partial_json": '{"a": 1}'}},
+              {"type": "message_delta", "usage": {"output_tokens": 3}}]
+    assert "".join(anthropic.generated(e).text for e in events) == 'f{"a": 1}'
+    assert anthropic.generated(events[-1]).output_tokens == 3
+    assert anthropic.generated({"type": "message", "content": [
+        {"type": "tool_use", "name": "f", "input": {"a": 1}}]}).text == 'f{"a": 1}'
+    answer = {"output": [{"type": "function_call", "name": "f", "arguments": "{}"}], "usage": {"output_tokens": 4}}
+    assert responses.generated(answer) == ("f{}", None, 4)
+    assert responses.generated({"type": "response.completed", "response": answer}) == ("", None, 4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .chat import Drops, begin, function_tool, text_content, tool_call, unsupported_tool
+from .chat import Drops, Generated, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
 _HANDLED = {
@@ -185,3 +185,21 @@ def assistant(content: Any, drops: Drops, i: int) -> dict:
     if calls:
         msg["tool_calls"] = calls
     return msg
+
+
+def generated(obj: dict[str, Any]) -> Generated:
+    """A Messages answer or stream event: text, thinking, tool names and their input as generated."""
+    text = ""
+    kind = obj.get("type")
+    if kind == "content_block_delta":
+        d = obj.get("delta") or {}
+        text = d.get("text") or d.get("partial_json") or d.get("thinking") or ""
+    elif kind == "content_block_start":
+        text = (obj.get("content_block") or {}).get("name") or ""
+    elif kind == "message" or "content" in obj and "role" in obj:
+        for b in obj.get("content") or []:
+            text += b.get("text") or b.get("thinking") or ""
+            if b.get("type") == "tool_use":
+                text += b.get("name", "") + json.dumps(b.get("input"), sort_keys=True)
+    usage = obj.get("usage") or (obj.get("message") or {}).get("usage") or {}
+    return Generated(text, None, usage.get("output_tokens"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import ProtocolError
 
@@ -67,3 +67,27 @@ def unsupported_tool(name: Any, ttype: Any) -> ProtocolError:
         f"tool {name!r} has type {ttype!r}; the engine only takes function tools "
         "(remove or disable that tool in the client)",
     )
+
+
+class Generated(NamedTuple):
+    """What one answer or stream event says the model generated: its text in order (reasoning, tool names and
+    arguments included), the engine's token ids, and the output token count; None where it says nothing."""
+
+    text: str
+    token_ids: list[int] | None
+    output_tokens: int | None
+
+
+def generated(obj: dict[str, Any]) -> Generated:
+    """A Chat or Completions answer or chunk (its first choice)."""
+    text, ids = "", None
+    for ch in (obj.get("choices") or [])[:1]:
+        part = ch.get("delta") or ch.get("message") or {}
+        text += ch.get("text") or part.get("content") or ""
+        text += part.get("reasoning_content") or ""
+        for tc in part.get("tool_calls") or []:
+            fn = tc.get("function") or {}
+            text += (fn.get("name") or "") + (fn.get("arguments") or "")
+        if ch.get("token_ids") is not None:
+            ids = list(ch["token_ids"])
+    return Generated(text, ids, (obj.get("usage") or {}).get("completion_tokens"))

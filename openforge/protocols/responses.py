@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chat import Drops, begin, function_tool, text_content, tool_call, unsupported_tool
+from .chat import Drops, Generated, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
 # Chat Completions' reasoning_effort takes low/medium/high on the engines we target.
@@ -166,3 +166,25 @@ def _reasoning(item: dict) -> tuple[str | None, set[str]]:
         summary = "\n".join(p.get("text", "") for p in item["summary"] if isinstance(p, dict))
         return summary, {"type", "content", "summary", "id", "status"}
     return None, {"type", "content", "id", "status"}
+
+
+_DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta", "response.reasoning_text.delta")
+
+
+def generated(obj: dict[str, Any]) -> Generated:
+    """A Responses stream event, or a whole `response` object: text, reasoning, function names and arguments."""
+    text = ""
+    kind = obj.get("type", "")
+    if kind in _DELTAS:
+        text = obj.get("delta") or ""
+    elif kind == "response.output_item.added":
+        text = (obj.get("item") or {}).get("name") or ""
+    resp = obj.get("response") if kind else obj
+    if not isinstance(resp, dict):
+        return Generated(text, None, None)
+    if not kind:
+        for item in resp.get("output") or []:
+            text += (item.get("name") or "") + (item.get("arguments") or "")
+            for part in item.get("content") or []:
+                text += part.get("text") or ""
+    return Generated(text, None, (resp.get("usage") or {}).get("output_tokens"))
