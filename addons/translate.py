@@ -247,8 +247,9 @@ def response_from_chat(protocol: str, chat_response: dict, request_body: dict) -
 def _payload(event: Event) -> Any:
     """An engine stream event as its JSON object, "[DONE]", or an `{"error": ...}` object (an `error:`
     field, or data that is not a JSON object)."""
-    is_error = event.error is not None
-    text = "\n".join(part for part in (event.data, event.error) if part is not None)
+    _, data, error = event
+    is_error = error is not None
+    text = data if not is_error else "\n".join(p for p in (data, error) if p is not None)
     if text.strip() == "[DONE]":
         return "[DONE]"
     try:

@@ -447,8 +447,8 @@ class Completion:
 
 def _event_objects(events: list[sse.Event]) -> Iterator[Any]:
     """The JSON objects of SSE events (`[DONE]` and data that is not JSON left out)."""
-    for event in events:
-        data = (event.data or "").strip()
+    for _, data, _ in events:
+        data = (data or "").strip()
         if data and data != "[DONE]":
             obj = json_body(data.encode())
             if obj is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openforge.protocols import anthropic, engine_ids, responses, sse
-from openforge.protocols.chat import Drops
+from openforge.protocols.chat import Drops, tool_call
 from openforge.protocols.endpoints import LLM_PROTOCOLS
 from openforge.protocols.errors import ProtocolError
 
@@ -192,9 +192,9 @@ def _json_body(body: Any, what: str, loads=_loads) -> Any:
 
 def sse_events(raw: bytes) -> Iterator[tuple[str | None, str]]:
     """Yield (event name, data) for each server-sent event with data; a torn last event is dropped."""
-    for event in sse.events(raw):
-        if event.data is not None:
-            yield event.name, event.data
+    for name, data, _ in sse.events(raw):
+        if data is not None:
+            yield name, data
 
 
 def _sse_json(raw: bytes) -> Iterator[tuple[str | None, dict[str, Any]]]:
@@ -253,9 +253,10 @@ def _collect_image(part: dict[str, Any], images: list[Image]) -> None:
 
 
 def _tool_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
+    """A Chat tool call; arguments that are not yet JSON text are written as JSON."""
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return tool_call(call_id, name, arguments)
 
 
 def assistant_message(text: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:

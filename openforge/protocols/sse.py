@@ -4,16 +4,10 @@ arriving in network reads of any size."""
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
 
-
-class Event(NamedTuple):
-    """One complete event: its `event:` name, its `data:` lines joined by "\\n" and its `error:` lines
-    likewise (some engines send their error under that field); None where it has no such line."""
-
-    name: str | None
-    data: str | None
-    error: str | None
+# One complete event: (its `event:` name, its `data:` lines joined by "\n", its `error:` lines likewise, which
+# some engines send their error under); None where it has no such line. A plain tuple: a stream has many.
+Event = tuple[str | None, str | None, str | None]
 
 
 def split_complete(buf: bytes) -> tuple[bytes, bytes]:
@@ -26,6 +20,8 @@ def split_complete(buf: bytes) -> tuple[bytes, bytes]:
 
 def parse_event(block: str) -> Event | None:
     """One event's lines (LF line ends), or None when it carries neither data nor error (comments only)."""
+    if block[:6] == "data: " and "\n" not in block:  # the usual event: one data line
+        return None, block[6:], None
     name: str | None = None
     data: list[str] = []
     error: list[str] = []
@@ -42,7 +38,7 @@ def parse_event(block: str) -> Event | None:
             name = value.strip()
     if not data and not error:
         return None
-    return Event(name, "\n".join(data) if data else None, "\n".join(error) if error else None)
+    return name, "\n".join(data) if data else None, "\n".join(error) if error else None
 
 
 class SseReader:
@@ -74,8 +70,7 @@ class SseReader:
 
 
 def _events(complete: bytes) -> list[Event]:
-    blocks = complete.decode("utf-8", "replace").split("\n\n")
-    return [e for e in map(parse_event, blocks) if e is not None]
+    return [e for e in map(parse_event, complete.decode("utf-8", "replace").split("\n\n")) if e is not None]
 
 
 def events(raw: bytes, torn: bool = False) -> list[Event]:
