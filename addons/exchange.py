@@ -7,15 +7,15 @@ silently corrupt the client's stream.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from openforge.protocols import errors
 from openforge.protocols.engine_ids import body_has_token_ids, stream_has_token_ids  # noqa: F401 - the proxy's names
 from openforge.protocols.sse import has_terminal_event
 
-from . import profiles, translate, wire
+from . import profiles, wire
 
 
 class Exchange:
@@ -91,8 +91,8 @@ class Exchange:
     def _give_up(self, data: bytes, e: Exception) -> bytes:
         self.error = f"stream rewrite failed, rest passed through unchanged: {type(e).__name__}: {e}"
         if self.translator is not None:
-            body = translate.error_body(self.translated["from"], 502, f"OpenForge translation failed: {e}")  # type: ignore[index]
-            event = b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+            client = self.translated["from"]  # type: ignore[index]
+            event = errors.error_event(client, errors.error_body(client, 502, f"OpenForge translation failed: {e}"))
             self.client_chunks.append([time.time(), event])  # type: ignore[union-attr]
             self.translator = _Swallow()
             return event

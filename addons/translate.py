@@ -175,15 +175,6 @@ def _function_item(item_id: str, call_id: str, name: str, arguments: str, status
             "arguments": arguments}
 
 
-def _engine_error_message(chunk: dict) -> str:
-    err = chunk.get("error")
-    if isinstance(err, dict):
-        return str(err.get("message") or err)
-    if err is not None:
-        return str(err)
-    return str(chunk.get("message") or "engine error")
-
-
 # ----------------------------------------------------------------------------------------------------
 # Non-streaming answers
 # ----------------------------------------------------------------------------------------------------
@@ -193,7 +184,8 @@ def response_from_chat(protocol: str, chat_response: dict, request_body: dict) -
     """Translate a non-streaming Chat Completions answer into the client's protocol."""
     choices = chat_response.get("choices") or []
     if not choices:
-        raise TranslationError(502, f"engine answer has no choices: {_engine_error_message(chat_response)}")
+        detail = errors.engine_message(chat_response) or "engine error"
+        raise TranslationError(502, f"engine answer has no choices: {detail}")
     choice = choices[0]
     message = choice.get("message") or {}
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
@@ -338,7 +330,7 @@ class _ChatStreamTranslator:
                 self._fail("engine stream ended without a finish reason", closing=True)
             return
         if payload.get("error") is not None or payload.get("object") == "error":
-            self._fail(_engine_error_message(payload), closing=False)
+            self._fail(errors.engine_message(payload) or "engine error", closing=False)
             return
         if not self.started:
             self.chat_id = payload.get("id") or uuid.uuid4().hex

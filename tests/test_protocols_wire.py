@@ -116,3 +116,12 @@ def test_generated_text_of_a_stream_is_that_of_the_whole_answer() -> None:
     answer = {"output": [{"type": "function_call", "name": "f", "arguments": "{}"}], "usage": {"output_tokens": 4}}
     assert responses.generated(answer) == ("f{}", None, 4)
     assert responses.generated({"type": "response.completed", "response": answer}) == ("", None, 4)
+
+
+def test_error_events_and_engine_messages() -> None:
+    body = errors.error_body("responses", 502, "m")
+    assert errors.error_event("responses", body) == b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+    assert errors.error_event("chat", body) == b"data: " + json.dumps(body).encode() + b"\n\n"
+    assert errors.engine_message({"error": {"message": "bad"}}) == "bad"
+    assert errors.engine_message({"object": "error", "message": "gone"}) == "gone"
+    assert errors.engine_message({"detail": "nope"}) == "nope" and errors.engine_message({}) is None

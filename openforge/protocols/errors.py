@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .endpoints import ANTHROPIC_PROTOCOLS
@@ -35,3 +36,17 @@ def error_body(protocol: str, status: int, message: str, kind: str | None = None
         return {"type": "error", "error": {"type": atype, "message": message}}
     otype = kind or _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": otype, "param": None, "code": code}}
+
+
+def error_event(protocol: str, body: dict[str, Any]) -> bytes:
+    """An error body as an SSE event: Anthropic and Responses name it `error`, Chat sends bare data."""
+    named = protocol in ANTHROPIC_PROTOCOLS or protocol == "responses"
+    return (b"event: error\n" if named else b"") + b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def engine_message(obj: dict[str, Any]) -> str | None:
+    """The message of an engine's error answer or event (`error.message`, `error`, `message`, `detail`)."""
+    err = obj.get("error")
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err or obj.get("message") or obj.get("detail") or "") or None
