@@ -241,7 +241,7 @@ def _payload(event: Event) -> Any:
     field, or data that is not a JSON object)."""
     _, data, error = event
     is_error = error is not None
-    text = data if not is_error else "\n".join(p for p in (data, error) if p is not None)
+    text = "\n".join(p for p in (data, error) if p is not None) if is_error or data is None else data
     if text.strip() == "[DONE]":
         return "[DONE]"
     try:

@@ -302,9 +302,12 @@ def _chat_tools(request: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _parse_chat(rec, request, raw, streamed, images) -> Call:
+def _parse_chat(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+                images: list[Image]) -> Call:
     if streamed:
-        text, reasoning, calls_by_index, finish, usage = [], [], {}, None, {}
+        text, reasoning, finish = [], [], None
+        calls_by_index: dict[int, dict[str, Any]] = {}
+        usage: dict[str, Any] = {}
         prompt_ids, comp_ids, logprobs, lp_ids, sgl = None, [], [], [], {}
         saw_choice = False
         for _, chunk in _sse_json(raw):
@@ -379,14 +382,19 @@ def _parse_chat(rec, request, raw, streamed, images) -> Call:
 # ---------------------------------------------------------------- Completions
 
 
-def _parse_completions(rec, request, raw, streamed, images) -> Call:
+def _parse_completions(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+                       images: list[Image]) -> Call:
     prompt = request.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     prompt_ids = prompt if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt) else None
     if prompt_ids is None and not isinstance(prompt, str):
         raise Skip("unsupported_request", "completions prompt is neither text nor token ids")
-    text, comp_ids, logprobs, finish, usage = [], [], [], None, {}
+    text: list[str] = []
+    comp_ids: list[int] = []
+    logprobs: list[float] = []
+    usage: dict[str, Any] = {}
+    finish = None
     bodies = [c for _, c in _sse_json(raw)] if streamed else [_json_body(raw, "response", _loads_answer)]
     saw_choice = False
     for body in bodies:
@@ -436,7 +444,8 @@ def _converted(convert: Callable[[dict, Drops], list[dict]], body: dict[str, Any
         raise Skip("unsupported_request", e.message) from None
 
 
-def _parse_responses(rec, request, raw, streamed, images) -> Call:
+def _parse_responses(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+                     images: list[Image]) -> Call:
     if streamed:
         final, done_items = None, []
         for name, ev in _sse_json(raw):
@@ -479,11 +488,13 @@ def _parse_responses(rec, request, raw, streamed, images) -> Call:
 # ---------------------------------------------------------------- Anthropic Messages
 
 
-def _parse_anthropic(rec, request, raw, streamed, images) -> Call:
+def _parse_anthropic(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+                     images: list[Image]) -> Call:
     if streamed:
         blocks: dict[int, dict[str, Any]] = {}
         partial: dict[int, list[str]] = {}
-        stop, usage, stopped = None, {}, False
+        stop, stopped = None, False
+        usage: dict[str, Any] = {}
         for name, ev in _sse_json(raw):
             kind = ev.get("type") or name
             if kind == "message_start":

@@ -122,6 +122,7 @@ def _part(block: dict, drops: Drops, where: str) -> dict:
     if kind == "image":
         drops.extra(block, {"type", "source"})
         source = block.get("source") or {}
+        url: Any
         if source.get("type") == "base64":
             url = f"data:{source.get('media_type')};base64,{source.get('data')}"
         elif source.get("type") == "url":

@@ -43,7 +43,7 @@ def llamacpp_completion_ids(entry_ids: list[int | None], usage: dict[str, Any]) 
 def llamacpp_has_ids(choice: dict[str, Any]) -> bool:
     logprobs = choice.get("logprobs")
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    return bool(content) and isinstance(content[0], dict) and "id" in content[0]
+    return bool(content) and isinstance(content[0], dict) and "id" in content[0]  # type: ignore[index]
 
 
 def has_token_ids(obj: Any) -> bool:
