@@ -434,12 +434,11 @@ def _parse_completions(rec: dict[str, Any], request: dict[str, Any], raw: bytes,
 # ---------------------------------------------------------------- Responses
 
 
-def _converted(convert: Callable[[dict, Drops], list[dict]], body: dict[str, Any],
-               images: list[Image]) -> list[dict[str, Any]]:
-    """Canonical messages by the proxy's own conversion to Chat (`openforge.protocols`), so a call the
-    proxy translated and one it forwarded read alike; what the engine could not take is a Skip."""
+def _proxy_conversion(convert: Callable[[dict, Drops], list[dict]], body: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the proxy sends the engine for this part of a client request (`openforge.protocols`), so a call
+    it translated and one it forwarded read alike; what the engine could not take is a Skip."""
     try:
-        return _chat_messages({"messages": convert(body, Drops())}, images)
+        return convert(body, Drops())
     except ProtocolError as e:
         raise Skip("unsupported_request", e.message) from None
 
@@ -464,14 +463,11 @@ def _parse_responses(rec: dict[str, Any], request: dict[str, Any], raw: bytes, s
         final = _json_body(raw, "response")
         if not isinstance(final, dict) or "output" not in final:
             raise Skip("no_choices", "responses body has no output")
-    messages = _converted(responses.messages, request, images)
-    produced = _converted(responses.messages, {"input": final.get("output") or []}, images)
+    messages = _chat_messages({"messages": _proxy_conversion(responses.messages, request)}, images)
+    output = _proxy_conversion(responses.messages, {"input": final.get("output") or []})
+    produced = _chat_messages({"messages": output}, images)
     completion = produced[-1] if produced else assistant_message("", None, [])
-    tools = [
-        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-        for t in request.get("tools") or []
-        if t.get("type") == "function"
-    ]
+    tools = _proxy_conversion(responses.tools, request)
     usage = final.get("usage") or {}
     has_calls = bool(completion.get("tool_calls"))
     return Call(
@@ -528,19 +524,13 @@ def _parse_anthropic(rec: dict[str, Any], request: dict[str, Any], raw: bytes, s
         if not isinstance(body, dict) or body.get("type") == "error" or "content" not in body:
             raise Skip("no_choices", f"anthropic body has no content: {raw[:200]!r}")
         content, stop, usage = body["content"], body.get("stop_reason"), body.get("usage") or {}
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"]},
-        }
-        for t in request.get("tools") or []
-        if "input_schema" in t and "name" in t
-    ]
+    tools = _proxy_conversion(anthropic.tools, request)
+    answer = [{"role": "assistant", "content": content}]
     return Call(
         **_base(rec, "anthropic", streamed),
-        messages=_converted(anthropic.messages, request, images),
+        messages=_chat_messages({"messages": _proxy_conversion(anthropic.messages, request)}, images),
         tools=tools or None,
-        completion=_converted(anthropic.messages, {"messages": [{"role": "assistant", "content": content}]}, images)[0],
+        completion=_chat_messages({"messages": _proxy_conversion(anthropic.messages, {"messages": answer})}, images)[0],
         finish_reason=stop,
         prompt_tokens=usage.get("input_tokens"),
         completion_tokens=usage.get("output_tokens"),

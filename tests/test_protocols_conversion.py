@@ -17,6 +17,8 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
 ANTHROPIC = {
     "model": "m", "max_tokens": 64,
     "system": [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Use tools."}],
+    "tools": [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}, "cache_control": {}},
+              {"name": "Read", "input_schema": {"type": "object"}, "strict": True}],
     "messages": [
         {"role": "user", "content": [{"type": "text", "text": "look"}, IMAGE]},
         {"role": "assistant", "content": [
@@ -33,6 +35,8 @@ ANTHROPIC = {
 }
 RESPONSES = {
     "model": "m", "instructions": "Be brief.",
+    "tools": [{"type": "function", "name": "sh", "parameters": {"type": "object"}, "strict": False},
+              {"type": "function", "name": "noop", "description": "nothing"}],
     "input": [
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "base"}]},
         {"role": "user", "content": "list"},
@@ -67,7 +71,7 @@ def test_a_translated_call_and_a_forwarded_one_train_on_the_same_messages(protoc
     chat, _ = translate.request_to_chat(protocol, body)
     forwarded = parse_record(record(protocol, body, NATIVE_ANSWER[protocol], translated=False))
     sent = parse_record(record(protocol, chat, CHAT_ANSWER, translated=True))
-    assert forwarded.messages == sent.messages
+    assert (forwarded.messages, forwarded.tools) == (sent.messages, sent.tools)
     assert [(i.mime, i.data) for i in forwarded.images] == [(i.mime, i.data) for i in sent.images]
 
 
@@ -104,8 +108,11 @@ def test_the_proxy_and_reconstruct_call_one_conversion(monkeypatch: pytest.Monke
     assert calls.count("openforge.protocols.responses") == 3
 
 
-def test_what_the_engine_cannot_take_is_skipped_not_dropped() -> None:
-    body = {**ANTHROPIC, "messages": [{"role": "user", "content": [{"type": "search_result", "source": "s"}]}]}
+@pytest.mark.parametrize("patch, named", [
+    ({"messages": [{"role": "user", "content": [{"type": "search_result", "source": "s"}]}]}, "search_result"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
+])
+def test_what_the_engine_cannot_take_is_skipped_not_dropped(patch: dict, named: str) -> None:
     with pytest.raises(reconstruct_protocols.Skip) as skip:
-        parse_record(record("anthropic", body, NATIVE_ANSWER["anthropic"], translated=False))
-    assert skip.value.reason == "unsupported_request" and "search_result" in skip.value.detail
+        parse_record(record("anthropic", {**ANTHROPIC, **patch}, NATIVE_ANSWER["anthropic"], translated=False))
+    assert skip.value.reason == "unsupported_request" and named in skip.value.detail

@@ -17,7 +17,7 @@ _HANDLED = {
 
 def request(body: dict, drops: Drops) -> dict:
     """The Chat Completions body for an Anthropic request (without `stream`); raises ProtocolError."""
-    chat = begin(body, messages(body, drops), [_tool(t, drops) for t in body.get("tools") or []])
+    chat = begin(body, messages(body, drops), tools(body, drops))
     if "tools" in chat:
         choice = body.get("tool_choice")
         if isinstance(choice, dict):
@@ -67,6 +67,11 @@ def request(body: dict, drops: Drops) -> dict:
         if key not in _HANDLED:
             drops.add(key)  # metadata, context_management, service_tier, ...
     return chat
+
+
+def tools(body: dict, drops: Drops) -> list[dict]:
+    """The request's tools as Chat function tools; raises ProtocolError on a server-side tool."""
+    return [_tool(t, drops) for t in body.get("tools") or []]
 
 
 def _tool(tool: dict, drops: Drops) -> dict:

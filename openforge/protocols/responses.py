@@ -24,7 +24,7 @@ def request(body: dict, drops: Drops) -> dict:
             raise ProtocolError(400, f"{key} needs server-side state; send the full input instead (store: false)")
     if body.get("background"):
         raise ProtocolError(400, "background responses are not supported; send a foreground request")
-    chat = begin(body, messages(body, drops), [_tool(t, drops) for t in body.get("tools") or []])
+    chat = begin(body, messages(body, drops), tools(body, drops))
     if "tools" in chat:
         choice = body.get("tool_choice")
         if isinstance(choice, str):
@@ -67,6 +67,11 @@ def request(body: dict, drops: Drops) -> dict:
         if key not in _HANDLED:
             drops.add(key)  # include, store, prompt_cache_key, client_metadata, metadata, ...
     return chat
+
+
+def tools(body: dict, drops: Drops) -> list[dict]:
+    """The request's tools as Chat function tools; raises ProtocolError on a server-side tool."""
+    return [_tool(t, drops) for t in body.get("tools") or []]
 
 
 def _tool(tool: dict, drops: Drops) -> dict:
