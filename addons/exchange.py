@@ -7,13 +7,15 @@ silently corrupt the client's stream.
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from . import profiles, translate, wire
+from openforge.protocols import errors
+from openforge.protocols.engine_ids import body_has_token_ids, stream_has_token_ids  # noqa: F401 - the proxy's names
+from openforge.protocols.sse import has_terminal_event
+
+from . import profiles, wire
 
 
 class Exchange:
@@ -75,7 +77,7 @@ class Exchange:
         except Exception as e:  # noqa: BLE001 - a raise here would corrupt the client's stream
             out = self._give_up(data, e)
         if data:
-            if out and (self.held or _has_terminal_event(out)):
+            if out and (self.held or has_terminal_event(out)):
                 self.held.append(out)  # released once the record is written (`on_end`)
                 return []
             # Never hand mitmproxy b"" mid-stream: with chunked encoding that ends the client's response.
@@ -89,8 +91,8 @@ class Exchange:
     def _give_up(self, data: bytes, e: Exception) -> bytes:
         self.error = f"stream rewrite failed, rest passed through unchanged: {type(e).__name__}: {e}"
         if self.translator is not None:
-            body = translate.error_body(self.translated["from"], 502, f"OpenForge translation failed: {e}")  # type: ignore[index]
-            event = b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
+            client = self.translated["from"]  # type: ignore[index]
+            event = errors.error_event(client, errors.error_body(client, 502, f"OpenForge translation failed: {e}"))
             self.client_chunks.append([time.time(), event])  # type: ignore[union-attr]
             self.translator = _Swallow()
             return event
@@ -126,17 +128,6 @@ class Exchange:
             "has_token_ids": has_token_ids,
             "error": self.error,
         }
-
-
-# The event that tells a client its streamed answer is complete, at the start of a line: Chat and Completions
-# `data: [DONE]`, Anthropic `message_stop`, Responses `response.completed` / `.incomplete` / `.failed`.
-_TERMINAL = re.compile(rb'(?:^|\n)(?:data: ?\[DONE\]|event: ?(?:message_stop|response\.(?:completed|incomplete|failed))\b)')
-_TERMINAL_HINTS = (b"[DONE]", b"message_stop", b"response.completed", b"response.incomplete", b"response.failed")
-
-
-def _has_terminal_event(out: bytes) -> bool:
-    """Whether a chunk for the client holds its stream's terminal event (substring tests first: cheap)."""
-    return any(h in out for h in _TERMINAL_HINTS) and _TERMINAL.search(out) is not None
 
 
 class _Swallow:
@@ -176,35 +167,3 @@ class ResponseParts(NamedTuple):
         streamed = self.chunks is not None
         return {"status": self.status, "headers": wire.masked_fields(self.fields),
                 "body": None if streamed else self.body, "chunks": self.chunks, "streamed": streamed}
-
-
-# After a `token_ids"` key: a non-empty list. Quotes inside JSON strings are escaped, so `token_ids"`
-# preceded by a quote (or by `"prompt_`) can only be a key.
-_NON_EMPTY_LIST = re.compile(rb'\s*:\s*\[\s*\d')
-_LOGPROBS_OBJECT = re.compile(rb'"logprobs"\s*:\s*\{')
-
-
-def body_has_token_ids(body: bytes | None) -> bool:
-    """`profiles.has_token_ids` of a JSON answer, parsing it only for llama.cpp-style ids in logprobs."""
-    if not body:
-        return False
-    i = body.find(b'token_ids"')  # a plain search: a regex starting at every quote of the body is ~10x slower
-    while i != -1:
-        if (body[i - 1:i] == b'"' or body[max(0, i - 8):i] == b'"prompt_') and _NON_EMPTY_LIST.match(body, i + 10):
-            return True
-        i = body.find(b'token_ids"', i + 10)
-    if b'"id"' not in body or not _LOGPROBS_OBJECT.search(body):
-        return False
-    try:
-        return profiles.has_token_ids(json.loads(body))
-    except ValueError:
-        return False
-
-
-def stream_has_token_ids(chunks: list[list[Any]]) -> bool:
-    """Scan a finished SSE stream (off the per-chunk path) for an event that carries token ids."""
-    for line in b"".join(c[1] for c in chunks).split(b"\n"):
-        if line.startswith(b"data:") and (b"token_ids" in line or b'"logprobs"' in line):
-            if body_has_token_ids(line[5:].strip()):
-                return True
-    return False

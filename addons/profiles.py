@@ -1,7 +1,8 @@
 """Engine profiles: how to ask each engine for token ids and logprobs, and how to hide them from the client.
 
 vLLM takes `return_token_ids` and `logprobs`; llama.cpp's server puts the token `id` inside each logprobs
-entry; SGLang takes both fields (recent versions); a generic OpenAI-compatible server gives logprobs only.
+entry; SGLang takes both fields (recent versions); a generic OpenAI-compatible server gives logprobs only
+(where each puts them in the answer: `openforge.protocols.engine_ids`).
 What we add to a request, we remove from the answer, so the toolchain sees the response it asked for.
 """
 
@@ -10,6 +11,9 @@ from __future__ import annotations
 import json
 import urllib.request
 from typing import Any
+
+from openforge.protocols.engine_ids import cut_prompt_ids, has_token_ids, prompt_ids_span  # noqa: F401 - re-exported
+from openforge.protocols.sse import split_complete
 
 
 def detect(models_url: str, key: str, timeout: float = 3.0) -> str | None:
@@ -50,22 +54,6 @@ def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
     return injected
 
 
-def has_token_ids(obj: Any) -> bool:
-    """Whether an engine answer (a JSON object or SSE chunk) carries token ids."""
-    if not isinstance(obj, dict):
-        return False
-    if obj.get("prompt_token_ids") or obj.get("token_ids"):
-        return True
-    for choice in obj.get("choices") or ():
-        if isinstance(choice, dict):
-            if choice.get("token_ids") or choice.get("prompt_token_ids"):
-                return True
-            content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
-            if content and isinstance(content[0], dict) and "id" in content[0]:
-                return True
-    return False
-
-
 def strip(obj: Any, injected: list[str]) -> bool:
     """Remove, in place, what the injected fields added to one answer object or stream chunk.
 
@@ -90,42 +78,6 @@ def strip(obj: Any, injected: list[str]) -> bool:
             choice["logprobs"] = None
             changed = True
     return changed
-
-
-_PROMPT_IDS_KEY = b'"prompt_token_ids"'
-_SPACE_COLON = frozenset(b" \t\r\n:")
-
-
-def prompt_ids_span(data: bytes) -> tuple[int, int] | None:
-    """[start, end) of the one `"prompt_token_ids": [...]` array in an engine answer's JSON, found
-    without parsing it; None when absent, present twice, empty, or not a flat array.
-
-    vLLM returns every prompt id, tens of thousands for an agent's prompt, and parsing them is most of
-    the work on such an answer: the proxy only drops them, reconstruct compares them as text first.
-    A key's quotes are never escaped and a string's inner quotes always are, so these bytes cannot sit
-    inside a string; an array with no `[`, `{` or `"` inside ends at the first `]`.
-    """
-    i = data.find(_PROMPT_IDS_KEY)
-    if i < 0 or data.find(_PROMPT_IDS_KEY, i + 1) >= 0:
-        return None
-    j, n = i + len(_PROMPT_IDS_KEY), len(data)
-    while j < n and data[j] in _SPACE_COLON:
-        j += 1
-    if j >= n or data[j] != 0x5B:  # "["
-        return None
-    end = data.find(b"]", j)
-    if end < 0 or not data[j + 1:end].strip() or any(c in data[j + 1:end] for c in (b"[", b"{", b'"')):
-        return None
-    return j, end + 1
-
-
-def cut_prompt_ids(data: bytes) -> tuple[bytes, bytes | None]:
-    """(the answer with its prompt id array read as `[]`, the array's text), or (data, None) when
-    `prompt_ids_span` finds none."""
-    span = prompt_ids_span(data)
-    if span is None:
-        return data, None
-    return data[:span[0]] + b"[]" + data[span[1]:], data[span[0]:span[1]]
 
 
 def loads_without_prompt_ids(data: bytes) -> tuple[Any, bool]:
@@ -177,14 +129,8 @@ class SseStripper:
         if not data:
             out, self.buf = self.buf, b""
             return self._rewrite(out) if out else b""
-        buf = self.buf + data if self.buf else data
-        lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
-        if lf < 0 and crlf < 0:  # no complete event yet
-            self.buf = buf
-            return b""
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        self.buf = buf[end:]
-        return self._rewrite(buf[:end])
+        complete, self.buf = split_complete(self.buf + data if self.buf else data)
+        return self._rewrite(complete) if complete else b""
 
     def drain(self) -> bytes:
         """The held-back bytes, unchanged (used when giving up on rewriting)."""

@@ -2,10 +2,12 @@
 
 Why: engines return exact token ids only on Chat Completions (docs/engines.md), while Claude Code speaks
 Anthropic Messages and Codex speaks Responses. The addon sends those calls to the engine as Chat
-Completions and translates the answer back, streamed as the engine produces it. Everything here is
-pure and stdlib-only so it runs inside any mitmproxy >= 11 (Python 3.11 / 3.12).
+Completions and translates the answer back, streamed as the engine produces it. A request is read by
+`openforge.protocols` (the same conversion reconstruct trains on); this module renders the engine's
+answer in the client's protocol. Everything here is pure and stdlib-only so it runs inside any
+mitmproxy >= 11 (Python 3.11 / 3.12).
 
-Public interface (wired in by addons/openforge.py): `request_to_chat`, `stream_translator`,
+Public interface (wired in by addons/proxy.py): `request_to_chat`, `stream_translator`,
 `response_from_chat`, `error_body`, `count_tokens_request`, `count_tokens_response`,
 `needs_translation`, `TranslationError`.
 """
@@ -18,6 +20,11 @@ import time
 import uuid
 from typing import Any
 
+from openforge.protocols import anthropic, errors, responses
+from openforge.protocols.chat import Drops
+from openforge.protocols.errors import ProtocolError as TranslationError
+from openforge.protocols.sse import Event, SseReader
+
 CLIENT_PROTOCOLS = ("anthropic", "responses")
 TRANSLATE_MODES = ("never", "auto", "always")
 
@@ -29,18 +36,6 @@ _TOKEN_IDS_NATIVE: dict[str, frozenset[str]] = {
     "llamacpp": frozenset(),
     "generic": frozenset(),
 }
-
-# Chat Completions' reasoning_effort takes low/medium/high on the engines we target.
-_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
-
-
-class TranslationError(Exception):
-    """A request the engine cannot take (e.g. a non-function tool); `status` is the HTTP status to answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def needs_translation(protocol: str, engine_profile: str, mode: str) -> bool:
@@ -58,401 +53,21 @@ def needs_translation(protocol: str, engine_profile: str, mode: str) -> bool:
     return protocol not in _TOKEN_IDS_NATIVE.get(engine_profile, frozenset())
 
 
-# ----------------------------------------------------------------------------------------------------
-# Requests
-# ----------------------------------------------------------------------------------------------------
-
-
-class _Drops:
-    """Ordered set of field names that were accepted but have no Chat Completions meaning."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-
-    def add(self, name: str) -> None:
-        if name not in self.names:
-            self.names.append(name)
-
-    def extra(self, obj: dict, consumed: set[str]) -> None:
-        for key in obj:
-            if key not in consumed:
-                self.add(key)
-
-
 def request_to_chat(protocol: str, body: dict) -> tuple[dict, list[str]]:
     """Translate a client request body into a Chat Completions body; also return the dropped field names."""
     if not isinstance(body, dict):
         raise TranslationError(400, "request body must be a JSON object")
-    drops = _Drops()
+    drops = Drops()
     if protocol == "anthropic":
-        chat = _anthropic_request(body, drops)
+        chat = anthropic.request(body, drops)
     elif protocol == "responses":
-        chat = _responses_request(body, drops)
+        chat = responses.request(body, drops)
     else:
         raise ValueError(f"no request translation for protocol {protocol!r}")
     if body.get("stream"):
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
     return chat, drops.names
-
-
-def _text_content(parts: list[dict]) -> str | list[dict]:
-    """All-text part lists become one string (stable prompts whether a client sends a string or a
-    one-element list); anything with an image stays a list of Chat Completions parts."""
-    if all(p["type"] == "text" for p in parts):
-        return "\n".join(p["text"] for p in parts)
-    return parts
-
-
-def _tool_call(call_id: str, name: str, arguments: str) -> dict:
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _function_tool(name: Any, description: Any, parameters: Any, strict: Any) -> dict:
-    if not isinstance(name, str) or not name:
-        raise TranslationError(400, "every tool needs a non-empty string name")
-    fn: dict[str, Any] = {"name": name}
-    if description is not None:
-        fn["description"] = description
-    fn["parameters"] = parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}
-    if strict is not None:
-        fn["strict"] = strict
-    return {"type": "function", "function": fn}
-
-
-def _unsupported_tool(name: Any, ttype: Any) -> TranslationError:
-    return TranslationError(
-        400,
-        f"tool {name!r} has type {ttype!r}; the engine only takes function tools "
-        "(remove or disable that tool in the client)",
-    )
-
-
-# --- Anthropic Messages ---------------------------------------------------------------------------
-
-_ANTHROPIC_HANDLED = {
-    "model", "messages", "system", "tools", "tool_choice", "max_tokens", "temperature", "top_p", "top_k",
-    "stop_sequences", "stream", "thinking", "output_config", "mcp_servers",
-}
-
-
-def _anthropic_request(body: dict, drops: _Drops) -> dict:
-    chat: dict[str, Any] = {}
-    if "model" in body:
-        chat["model"] = body["model"]
-    chat["messages"] = _anthropic_messages(body, drops)
-    tools = body.get("tools") or []
-    if tools:
-        chat["tools"] = [_anthropic_tool(t, drops) for t in tools]
-        choice = body.get("tool_choice")
-        if isinstance(choice, dict):
-            kind = choice.get("type")
-            if kind == "auto":
-                chat["tool_choice"] = "auto"
-            elif kind == "any":
-                chat["tool_choice"] = "required"
-            elif kind == "none":
-                chat["tool_choice"] = "none"
-            elif kind == "tool":
-                chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-            else:
-                raise TranslationError(400, f"tool_choice type {kind!r} is not supported")
-            if choice.get("disable_parallel_tool_use"):
-                chat["parallel_tool_calls"] = False
-    elif body.get("tool_choice") is not None:
-        drops.add("tool_choice")
-    if body.get("mcp_servers"):
-        raise TranslationError(400, "mcp_servers needs Anthropic's servers; the engine cannot call MCP servers")
-    for key in ("max_tokens", "temperature", "top_p", "top_k"):
-        if body.get(key) is not None:
-            chat[key] = body[key]
-    if body.get("stop_sequences"):
-        chat["stop"] = list(body["stop_sequences"])
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict):
-        kind = thinking.get("type")
-        if kind == "enabled":
-            chat["chat_template_kwargs"] = {"enable_thinking": True}
-            drops.extra(thinking, {"type"})  # budget_tokens, display: no engine-side meaning
-        elif kind == "disabled":
-            chat["chat_template_kwargs"] = {"enable_thinking": False}
-        else:  # "adaptive": the engine's template default decides
-            drops.add("thinking")
-    output_config = body.get("output_config")
-    if isinstance(output_config, dict):
-        fmt = output_config.get("format")
-        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-            chat["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": "output", "schema": fmt.get("schema") or {}, "strict": True},
-            }
-        if any(k != "format" for k in output_config):
-            drops.add("output_config")  # effort: Anthropic-only knob
-    for key in body:
-        if key not in _ANTHROPIC_HANDLED:
-            drops.add(key)  # metadata, context_management, service_tier, ...
-    return chat
-
-
-def _anthropic_tool(tool: dict, drops: _Drops) -> dict:
-    ttype = tool.get("type")
-    if ttype not in (None, "custom"):
-        raise _unsupported_tool(tool.get("name"), ttype)
-    drops.extra(tool, {"type", "name", "description", "input_schema", "strict"})  # cache_control, defer_loading
-    return _function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), tool.get("strict"))
-
-
-def _anthropic_text(content: Any, drops: _Drops, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    texts = []
-    for block in content or []:
-        if block.get("type") != "text":
-            raise TranslationError(400, f"{where}: only text blocks are allowed, got {block.get('type')!r}")
-        drops.extra(block, {"type", "text"})
-        texts.append(block.get("text", ""))
-    return "\n".join(texts)
-
-
-def _anthropic_messages(body: dict, drops: _Drops) -> list[dict]:
-    out: list[dict] = []
-    system = body.get("system")
-    if system:
-        out.append({"role": "system", "content": _anthropic_text(system, drops, "system")})
-    for i, msg in enumerate(body.get("messages") or []):
-        if not isinstance(msg, dict):
-            raise TranslationError(400, f"messages.{i} must be an object")
-        drops.extra(msg, {"role", "content"})
-        role, content = msg.get("role"), msg.get("content")
-        if role in ("system", "developer"):
-            out.append({"role": "system", "content": _anthropic_text(content, drops, f"messages.{i}")})
-        elif role == "user":
-            out.extend(_anthropic_user(content, drops, i))
-        elif role == "assistant":
-            out.append(_anthropic_assistant(content, drops, i))
-        else:
-            raise TranslationError(400, f"messages.{i}.role {role!r} is not supported")
-    return out
-
-
-def _anthropic_part(block: dict, drops: _Drops, where: str) -> dict:
-    """A text / image / text-document block as a Chat Completions content part."""
-    kind = block.get("type")
-    if kind == "text":
-        drops.extra(block, {"type", "text"})
-        return {"type": "text", "text": block.get("text", "")}
-    if kind == "image":
-        drops.extra(block, {"type", "source"})
-        source = block.get("source") or {}
-        if source.get("type") == "base64":
-            url = f"data:{source.get('media_type')};base64,{source.get('data')}"
-        elif source.get("type") == "url":
-            url = source.get("url")
-        else:
-            raise TranslationError(400, f"{where}: image source {source.get('type')!r} is not supported")
-        return {"type": "image_url", "image_url": {"url": url}}
-    if kind == "document" and (block.get("source") or {}).get("type") == "text":
-        drops.extra(block, {"type", "source"})
-        return {"type": "text", "text": block["source"].get("data", "")}
-    raise TranslationError(400, f"{where}: content block type {kind!r} is not supported by the engine")
-
-
-def _anthropic_user(content: Any, drops: _Drops, i: int) -> list[dict]:
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    tool_msgs: list[dict] = []
-    parts: list[dict] = []
-    for j, block in enumerate(content or []):
-        where = f"messages.{i}.content.{j}"
-        if block.get("type") == "tool_result":
-            drops.extra(block, {"type", "tool_use_id", "content"})  # is_error, cache_control
-            inner = block.get("content")
-            if inner is None or isinstance(inner, str):
-                result: Any = inner or ""
-            else:
-                result = _text_content([_anthropic_part(b, drops, where) for b in inner])
-            tool_msgs.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
-        else:
-            parts.append(_anthropic_part(block, drops, where))
-    # Chat Completions wants tool results right after the assistant's tool calls.
-    return tool_msgs + ([{"role": "user", "content": _text_content(parts)}] if parts else [])
-
-
-def _anthropic_assistant(content: Any, drops: _Drops, i: int) -> dict:
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    texts: list[str] = []
-    reasoning: list[str] = []
-    calls: list[dict] = []
-    for j, block in enumerate(content or []):
-        kind = block.get("type")
-        if kind == "text":
-            drops.extra(block, {"type", "text"})
-            texts.append(block.get("text", ""))
-        elif kind == "thinking":
-            drops.extra(block, {"type", "thinking"})  # signature
-            reasoning.append(block.get("thinking", ""))
-        elif kind == "redacted_thinking":
-            drops.add("redacted_thinking")
-        elif kind == "tool_use":
-            drops.extra(block, {"type", "id", "name", "input"})
-            args = json.dumps(block.get("input") or {}, ensure_ascii=False)
-            calls.append(_tool_call(block.get("id"), block.get("name"), args))
-        else:
-            raise TranslationError(400, f"messages.{i}.content.{j}: block type {kind!r} is not supported")
-    msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
-    if reasoning:
-        msg["reasoning_content"] = "".join(reasoning)
-    if calls:
-        msg["tool_calls"] = calls
-    return msg
-
-
-# --- OpenAI Responses -----------------------------------------------------------------------------
-
-_RESPONSES_HANDLED = {
-    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-    "temperature", "top_p", "top_logprobs", "stream", "reasoning", "text", "previous_response_id",
-    "conversation", "prompt", "background",
-}
-
-
-def _responses_request(body: dict, drops: _Drops) -> dict:
-    for key in ("previous_response_id", "conversation", "prompt"):
-        if body.get(key):
-            raise TranslationError(400, f"{key} needs server-side state; send the full input instead (store: false)")
-    if body.get("background"):
-        raise TranslationError(400, "background responses are not supported; send a foreground request")
-    chat: dict[str, Any] = {}
-    if "model" in body:
-        chat["model"] = body["model"]
-    chat["messages"] = _responses_messages(body, drops)
-    tools = body.get("tools") or []
-    if tools:
-        chat["tools"] = [_responses_tool(t, drops) for t in tools]
-        choice = body.get("tool_choice")
-        if isinstance(choice, str):
-            chat["tool_choice"] = choice
-        elif isinstance(choice, dict):
-            if choice.get("type") != "function":
-                raise TranslationError(400, f"tool_choice type {choice.get('type')!r} is not supported")
-            chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-        if body.get("parallel_tool_calls") is not None:
-            chat["parallel_tool_calls"] = body["parallel_tool_calls"]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
-    for key in ("temperature", "top_p"):
-        if body.get(key) is not None:
-            chat[key] = body[key]
-    if body.get("top_logprobs"):
-        chat["logprobs"] = True
-        chat["top_logprobs"] = body["top_logprobs"]
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict):
-        effort = reasoning.get("effort")
-        if effort == "none":
-            chat["chat_template_kwargs"] = {"enable_thinking": False}
-        elif effort in _EFFORT:
-            chat["reasoning_effort"] = _EFFORT[effort]
-            chat["chat_template_kwargs"] = {"enable_thinking": True}
-        drops.extra(reasoning, {"effort"})  # summary, generate_summary
-    text = body.get("text")
-    if isinstance(text, dict):
-        fmt = text.get("format") or {}
-        if fmt.get("type") == "json_schema":
-            schema = {"name": fmt.get("name", "output"), "schema": fmt.get("schema") or {}}
-            if fmt.get("strict") is not None:
-                schema["strict"] = fmt["strict"]
-            chat["response_format"] = {"type": "json_schema", "json_schema": schema}
-        elif fmt.get("type") == "json_object":
-            chat["response_format"] = {"type": "json_object"}
-        drops.extra(text, {"format"})  # verbosity
-    for key in body:
-        if key not in _RESPONSES_HANDLED:
-            drops.add(key)  # include, store, prompt_cache_key, client_metadata, metadata, ...
-    return chat
-
-
-def _responses_tool(tool: dict, drops: _Drops) -> dict:
-    if tool.get("type") != "function":
-        raise _unsupported_tool(tool.get("name"), tool.get("type"))
-    drops.extra(tool, {"type", "name", "description", "parameters", "strict"})
-    return _function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), tool.get("strict"))
-
-
-def _responses_parts(content: Any, drops: _Drops, where: str) -> str | list[dict]:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, part in enumerate(content or []):
-        kind = part.get("type")
-        if kind in ("input_text", "output_text", "text", "refusal"):
-            drops.extra(part, {"type", "text", "refusal", "annotations", "logprobs"})
-            parts.append({"type": "text", "text": part.get("text", part.get("refusal", ""))})
-        elif kind == "input_image" and part.get("image_url"):
-            drops.extra(part, {"type", "image_url", "detail"})
-            image = {"url": part["image_url"]}
-            if part.get("detail"):
-                image["detail"] = part["detail"]
-            parts.append({"type": "image_url", "image_url": image})
-        else:
-            raise TranslationError(400, f"{where}.content.{j}: part type {kind!r} is not supported by the engine")
-    return _text_content(parts)
-
-
-def _responses_messages(body: dict, drops: _Drops) -> list[dict]:
-    out: list[dict] = []
-    if body.get("instructions"):
-        out.append({"role": "system", "content": body["instructions"]})
-    items = body.get("input")
-    if isinstance(items, str):
-        return out + [{"role": "user", "content": items}]
-    reasoning: list[str] = []  # reasoning items wait for the assistant output they belong to
-
-    def take_reasoning(msg: dict) -> dict:
-        if reasoning:
-            msg["reasoning_content"] = "".join(reasoning)
-            reasoning.clear()
-        return msg
-
-    for i, item in enumerate(items or []):
-        where = f"input.{i}"
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            drops.extra(item, {"type", "role", "content", "id", "status"})
-            role = item.get("role")
-            content = _responses_parts(item.get("content"), drops, where)
-            if role in ("system", "developer"):
-                if not isinstance(content, str):
-                    raise TranslationError(400, f"{where}: {role} messages take text only")
-                out.append({"role": "system", "content": content})
-            elif role == "user":
-                out.append({"role": "user", "content": content})
-            elif role == "assistant":
-                out.append(take_reasoning({"role": "assistant", "content": content}))
-            else:
-                raise TranslationError(400, f"{where}.role {role!r} is not supported")
-        elif kind == "function_call":
-            drops.extra(item, {"type", "call_id", "name", "arguments", "id", "status"})
-            call = _tool_call(item.get("call_id"), item.get("name"), item.get("arguments") or "{}")
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and not reasoning:
-                last.setdefault("tool_calls", []).append(call)  # same assistant turn as the text before it
-            else:
-                out.append(take_reasoning({"role": "assistant", "content": None, "tool_calls": [call]}))
-        elif kind == "function_call_output":
-            drops.extra(item, {"type", "call_id", "output", "id", "status"})
-            output = item.get("output")
-            content = output if isinstance(output, str) else _responses_parts(output, drops, where)
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
-        elif kind == "reasoning":
-            drops.extra(item, {"type", "content", "id", "status"})  # summary, encrypted_content
-            reasoning.extend(p.get("text", "") for p in item.get("content") or [])
-        else:
-            raise TranslationError(400, f"{where}: input item type {kind!r} is not supported by the engine")
-    if reasoning:
-        drops.add("reasoning")
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -560,15 +175,6 @@ def _function_item(item_id: str, call_id: str, name: str, arguments: str, status
             "arguments": arguments}
 
 
-def _engine_error_message(chunk: dict) -> str:
-    err = chunk.get("error")
-    if isinstance(err, dict):
-        return str(err.get("message") or err)
-    if err is not None:
-        return str(err)
-    return str(chunk.get("message") or "engine error")
-
-
 # ----------------------------------------------------------------------------------------------------
 # Non-streaming answers
 # ----------------------------------------------------------------------------------------------------
@@ -578,7 +184,8 @@ def response_from_chat(protocol: str, chat_response: dict, request_body: dict) -
     """Translate a non-streaming Chat Completions answer into the client's protocol."""
     choices = chat_response.get("choices") or []
     if not choices:
-        raise TranslationError(502, f"engine answer has no choices: {_engine_error_message(chat_response)}")
+        detail = errors.engine_message(chat_response) or "engine error"
+        raise TranslationError(502, f"engine answer has no choices: {detail}")
     choice = choices[0]
     message = choice.get("message") or {}
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
@@ -628,51 +235,22 @@ def response_from_chat(protocol: str, chat_response: dict, request_body: dict) -
 # ----------------------------------------------------------------------------------------------------
 
 
-class _SSEReader:
-    """Incremental SSE parser for the engine stream: bytes in any split -> JSON payloads or "[DONE]"."""
 
-    def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, data: bytes) -> list[Any]:
-        buf = self._buf + data
-        hold = b""
-        if buf.endswith(b"\r"):  # may be the first half of a CRLF
-            buf, hold = buf[:-1], b"\r"
-        events = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n")
-        self._buf = events.pop() + hold
-        return [p for p in (self._parse(e) for e in events) if p is not None]
-
-    def flush(self) -> list[Any]:
-        """An unterminated last event (engine closed without the blank line)."""
-        rest, self._buf = self._buf, b""
-        parsed = self._parse(rest.replace(b"\r\n", b"\n").strip(b"\r\n"))
-        return [] if parsed is None else [parsed]
-
-    @staticmethod
-    def _parse(event: bytes) -> Any:
-        data: list[str] = []
-        is_error = False
-        for line in event.decode("utf-8", errors="replace").split("\n"):
-            if not line or line.startswith(":"):
-                continue
-            field, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if field in ("data", "error"):
-                data.append(value)
-                is_error = is_error or field == "error"
-        if not data:
-            return None
-        text = "\n".join(data)
-        if text.strip() == "[DONE]":
-            return "[DONE]"
-        try:
-            payload = json.loads(text)
-        except ValueError:
-            return {"error": {"message": f"engine sent an unreadable stream event: {text[:200]!r}"}}
-        if is_error and isinstance(payload, dict) and "error" not in payload:
-            payload = {"error": payload}
-        return payload if isinstance(payload, dict) else {"error": {"message": f"unexpected event {text[:200]!r}"}}
+def _payload(event: Event) -> Any:
+    """An engine stream event as its JSON object, "[DONE]", or an `{"error": ...}` object (an `error:`
+    field, or data that is not a JSON object)."""
+    _, data, error = event
+    is_error = error is not None
+    text = "\n".join(p for p in (data, error) if p is not None) if is_error or data is None else data
+    if text.strip() == "[DONE]":
+        return "[DONE]"
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return {"error": {"message": f"engine sent an unreadable stream event: {text[:200]!r}"}}
+    if is_error and isinstance(payload, dict) and "error" not in payload:
+        payload = {"error": payload}
+    return payload if isinstance(payload, dict) else {"error": {"message": f"unexpected event {text[:200]!r}"}}
 
 
 class _Block:
@@ -705,7 +283,7 @@ class _ChatStreamTranslator:
 
     def __init__(self, request_body: dict) -> None:
         self.request = request_body
-        self._reader = _SSEReader()
+        self._reader = SseReader()
         self._out: list[bytes] = []
         self.started = False
         self.ended = False
@@ -723,13 +301,13 @@ class _ChatStreamTranslator:
 
     # -- public ---------------------------------------------------------------------------------------
     def feed(self, data: bytes) -> bytes:
-        for payload in self._reader.feed(data):
-            self._handle(payload)
+        for event in self._reader.feed(data):
+            self._handle(_payload(event))
         return self._take()
 
     def finish(self) -> bytes:
-        for payload in self._reader.flush():
-            self._handle(payload)
+        for event in self._reader.flush():
+            self._handle(_payload(event))
         if not self.ended:
             if self.finish_reason is not None:
                 self._end()
@@ -752,7 +330,7 @@ class _ChatStreamTranslator:
                 self._fail("engine stream ended without a finish reason", closing=True)
             return
         if payload.get("error") is not None or payload.get("object") == "error":
-            self._fail(_engine_error_message(payload), closing=False)
+            self._fail(errors.engine_message(payload) or "engine error", closing=False)
             return
         if not self.started:
             self.chat_id = payload.get("id") or uuid.uuid4().hex
@@ -1020,22 +598,10 @@ def stream_translator(protocol: str, request_body: dict) -> _ChatStreamTranslato
 # Errors and count_tokens
 # ----------------------------------------------------------------------------------------------------
 
-_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                          529: "overloaded_error", 503: "overloaded_error"}
-_OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                       404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}
-
 
 def error_body(protocol: str, status: int, message: str) -> dict:
     """An error object in the client protocol's own shape."""
-    if protocol == "anthropic":
-        kind = _ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": message}}
-    if protocol in ("chat", "completions", "responses"):
-        kind = _OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        return {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    raise ValueError(f"no error shape for protocol {protocol!r}")
+    return errors.error_body(protocol, status, message)
 
 
 def count_tokens_request(body: dict) -> dict:

@@ -1,4 +1,5 @@
-"""What a request is: protocol by path, episode / role / toolchain, secrets masked, errors in the client's shape.
+"""What a request is: episode / role / toolchain, secrets masked, errors in the client's shape (the protocol
+by path and the path prefixes: `openforge.protocols.endpoints`).
 
 Pure functions over strings and header lists, so they are cheap on the hot path and easy to test.
 """
@@ -10,8 +11,17 @@ import binascii
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from urllib.parse import unquote, unquote_plus
+
+from openforge.protocols import errors
+from openforge.protocols.endpoints import (  # noqa: F401 - the proxy's names for them
+    ANTHROPIC_PROTOCOLS,
+    CANONICAL,
+    Prefixes,
+    classify,
+    protocol_of,
+    strip_prefixes,
+)
 
 # Credentials: masked in records and logs, never forwarded to the engine. Names ending like an API key or a
 # token count too (`x-goog-api-key`, Azure's `api-key`, `x-auth-token`).
@@ -25,18 +35,6 @@ DROP_UPSTREAM_BYTES = frozenset(name.encode() for name in DROP_UPSTREAM)
 DROP_UPSTREAM_LLM_BYTES = DROP_UPSTREAM_BYTES | {b"accept-encoding"}  # replaced by identity: we read the answer
 REWARD_PREFIX = "/openforge/v1/episodes/"
 STATUS_PATH = "/openforge/v1/status"
-
-# (path suffix, protocol, canonical engine path); longest suffixes first.
-_ENDPOINTS = (
-    ("/messages/count_tokens", "anthropic_count_tokens", "/v1/messages/count_tokens"),
-    ("/chat/completions", "chat", "/v1/chat/completions"),
-    ("/completions", "completions", "/v1/completions"),
-    ("/responses", "responses", "/v1/responses"),
-    ("/messages", "anthropic", "/v1/messages"),
-    ("/models", "models", "/v1/models"),
-)
-CANONICAL = {protocol: path for _, protocol, path in _ENDPOINTS}
-ANTHROPIC_PROTOCOLS = frozenset({"anthropic", "anthropic_count_tokens"})
 
 # User-Agent fragments (lower case) -> toolchain name; first match wins.
 _TOOLCHAINS = (
@@ -54,48 +52,6 @@ _TOOLCHAINS = (
     ("curl/", "curl"),
     ("python-httpx", "httpx"),
 )
-
-
-def protocol_of(path: str) -> str | None:
-    """The LLM protocol a path's suffix names, else None. `path` has no query string."""
-    for suffix, protocol, _ in _ENDPOINTS:
-        if path.endswith(suffix):
-            return protocol
-    return None
-
-
-def classify(method: str, path: str) -> tuple[str, str] | None:
-    """(protocol, canonical engine path) for an LLM endpoint, else None. `path` has no query string."""
-    protocol = protocol_of(path)
-    if protocol is None or (protocol == "models") != (method == "GET"):
-        return None
-    return protocol, CANONICAL[protocol]
-
-
-@dataclass(slots=True)
-class Prefixes:
-    """What leading `/e/<episode>/`, `/r/<role>/` and `/k/<token>/` path segments (any order) said."""
-
-    episode: str | None = None
-    role: str | None = None
-    token: str | None = None
-
-
-def strip_prefixes(path: str) -> tuple[str, Prefixes]:
-    """Remove leading `/e/<episode>/`, `/r/<role>/` and `/k/<token>/` segments: (the rest, what they said)."""
-    found = Prefixes()
-    while path.startswith(("/e/", "/r/", "/k/")):
-        kind = path[1]
-        end = path.find("/", 3)
-        value, path = (path[3:], "/") if end < 0 else (path[3:end], path[end:])
-        value = unquote(value)
-        if kind == "e":
-            found.episode = value or found.episode
-        elif kind == "r":
-            found.role = value or found.role
-        else:
-            found.token = value or found.token
-    return path, found
 
 
 _SECRET_NAMES: dict[bytes, bool] = {}  # header name -> is_secret_header, cached: checked per header per call
@@ -213,11 +169,5 @@ def masked_fields(fields: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
 
 
 def error_body(protocol: str, status: int, message: str, kind: str) -> bytes:
-    """An error object in the client's own protocol shape (Anthropic or OpenAI)."""
-    if protocol in ANTHROPIC_PROTOCOLS:
-        atype = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "not_found_error", 429: "rate_limit_error"}.get(status, "api_error")
-        obj: dict = {"type": "error", "error": {"type": atype, "message": message}}
-    else:
-        obj = {"error": {"message": message, "type": kind, "param": None, "code": kind}}
-    return json.dumps(obj).encode()
+    """An error object in the client's own protocol shape (Anthropic or OpenAI), `kind` its OpenAI type and code."""
+    return json.dumps(errors.error_body(protocol, status, message, kind, kind)).encode()

@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from openforge.addons import profiles, wire
+from openforge.addons import profiles
 from openforge.addons.flowfile import expand_paths, open_flow_file
+from openforge.protocols import anthropic, chat, errors, responses, sse
+from openforge.protocols.endpoints import LLM_PROTOCOLS, protocol_of, strip_prefixes
 
 Side = Literal["client", "engine"]
-LLM_PROTOCOLS = ("chat", "completions", "responses", "anthropic")
 HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
 
 
@@ -63,16 +64,7 @@ def load_exchanges(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 def protocol_of_path(path: str) -> str:
     """The wire protocol a request path speaks (same names as the flow format's `protocol` field)."""
-    return wire.protocol_of(urlsplit(path).path.rstrip("/")) or "other"
-
-
-def strip_episode_prefix(path: str) -> str:
-    """`/e/<episode>/v1/...` -> `/v1/...` (the proxy's episode routing prefix)."""
-    if path.startswith("/e/"):
-        rest = path[3:]
-        slash = rest.find("/")
-        return rest[slash:] if slash >= 0 else "/"
-    return path
+    return protocol_of(urlsplit(path).path.rstrip("/")) or "other"
 
 
 def json_body(body: bytes | None) -> Any:
@@ -294,18 +286,6 @@ def _strip_body(body: bytes, injected: list[str]) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode()
 
 
-def iter_sse_events(data: bytes) -> Iterator[bytes]:
-    """Split an SSE stream into complete events (each ending with a blank line)."""
-    buf = data.replace(b"\r\n", b"\n")
-    while buf:
-        end = buf.find(b"\n\n")
-        if end < 0:
-            yield buf
-            return
-        yield buf[: end + 2]
-        buf = buf[end + 2 :]
-
-
 def recorded_answer(exchange: dict[str, Any], side: Side) -> Answer:
     """What the given side received: the engine's `response`, or for the client `client_response` when the
     proxy translated, else `response` with the effect of the proxy's injected fields removed."""
@@ -334,10 +314,7 @@ def recorded_answer(exchange: dict[str, Any], side: Side) -> Answer:
 
 def error_answer(protocol: str, message: str, status: int = 400) -> Answer:
     """An error in the client's protocol, so the CLI prints the message instead of retrying blindly."""
-    if protocol.startswith("anthropic"):
-        payload: dict[str, Any] = {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
-    else:
-        payload = {"error": {"message": message, "type": "invalid_request_error", "code": "replay_divergence"}}
+    payload = errors.error_body(protocol, status, message, code="replay_divergence")
     return Answer(status, [("content-type", "application/json")], json.dumps(payload).encode(), None)
 
 
@@ -382,12 +359,13 @@ class ReplayServer:
             time.sleep(seconds / self.speed)
 
     def answer(self, method: str, path: str, body: bytes) -> Answer:
-        path = strip_episode_prefix(path)
+        path = strip_prefixes(path)[0]
         protocol = protocol_of_path(path)
         if protocol == "models" and method == "GET":
             owner = self.index.engine_profile()
             data = [{"id": m, "object": "model", "owned_by": owner} for m in self.index.models()]
-            return Answer(200, [("content-type", "application/json")], json.dumps({"object": "list", "data": data}).encode(), None)
+            listing = json.dumps({"object": "list", "data": data}).encode()
+            return Answer(200, [("content-type", "application/json")], listing, None)
         if method != "POST" or protocol in ("other", "models"):
             return error_answer(protocol, f"replay: {method} {path} is not an LLM call", 404)
         parsed = json_body(body)
@@ -467,15 +445,19 @@ class Completion:
         return list(self.token_ids) if self.token_ids is not None else list(self.text)
 
 
-def _sse_data(data: bytes) -> Iterator[Any]:
-    for event in iter_sse_events(data):
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                payload = line[5:].strip()
-                if payload and payload != b"[DONE]":
-                    obj = json_body(payload)
-                    if obj is not None:
-                        yield obj
+def _event_objects(events: list[sse.Event]) -> Iterator[Any]:
+    """The JSON objects of SSE events (`[DONE]` and data that is not JSON left out)."""
+    for _, data, _ in events:
+        data = (data or "").strip()
+        if data and data != "[DONE]":
+            obj = json_body(data.encode())
+            if obj is not None:
+                yield obj
+
+
+# What each protocol's answers say was generated (openforge.protocols).
+_GENERATED = {"chat": chat.generated, "completions": chat.generated, "anthropic": anthropic.generated,
+              "responses": responses.generated}
 
 
 class CompletionParser:
@@ -489,61 +471,23 @@ class CompletionParser:
         """Add one (streamed or whole) JSON answer; True if it carried generated content."""
         if not isinstance(obj, dict):
             return False
-        before = (len(self.c.text), len(self.c.token_ids or []))
-        p = self.protocol
-        if p in ("chat", "completions"):
-            for ch in (obj.get("choices") or [])[:1]:
-                part = ch.get("delta") or ch.get("message") or {}
-                self.c.text += ch.get("text") or part.get("content") or ""
-                self.c.text += part.get("reasoning_content") or ""
-                for tc in part.get("tool_calls") or []:
-                    fn = tc.get("function") or {}
-                    self.c.text += (fn.get("name") or "") + (fn.get("arguments") or "")
-                if ch.get("token_ids") is not None:
-                    self.c.token_ids = (self.c.token_ids or []) + list(ch["token_ids"])
-            usage = obj.get("usage") or {}
-            if usage.get("completion_tokens") is not None:
-                self.c.output_tokens = usage["completion_tokens"]
-        elif p == "anthropic":
-            t = obj.get("type")
-            if t == "content_block_delta":
-                d = obj.get("delta") or {}
-                self.c.text += d.get("text") or d.get("partial_json") or d.get("thinking") or ""
-            elif t == "content_block_start":
-                b = obj.get("content_block") or {}
-                self.c.text += b.get("name") or ""
-            elif t == "message" or "content" in obj and "role" in obj:
-                for b in obj.get("content") or []:
-                    self.c.text += b.get("text") or b.get("thinking") or ""
-                    if b.get("type") == "tool_use":
-                        self.c.text += b.get("name", "") + json.dumps(b.get("input"), sort_keys=True)
-            usage = obj.get("usage") or (obj.get("message") or {}).get("usage") or {}
-            if usage.get("output_tokens") is not None:
-                self.c.output_tokens = usage["output_tokens"]
-        elif p == "responses":
-            t = obj.get("type", "")
-            if t in ("response.output_text.delta", "response.function_call_arguments.delta", "response.reasoning_text.delta"):
-                self.c.text += obj.get("delta") or ""
-            elif t == "response.output_item.added":
-                self.c.text += (obj.get("item") or {}).get("name") or ""
-            resp = obj.get("response") if t else obj
-            if isinstance(resp, dict):
-                if not t:  # non-streamed: the whole response object
-                    for item in resp.get("output") or []:
-                        self.c.text += item.get("name") or ""
-                        self.c.text += item.get("arguments") or ""
-                        for part in item.get("content") or []:
-                            self.c.text += part.get("text") or ""
-                usage = resp.get("usage") or {}
-                if usage.get("output_tokens") is not None:
-                    self.c.output_tokens = usage["output_tokens"]
-        return (len(self.c.text), len(self.c.token_ids or [])) != before
+        read = _GENERATED.get(self.protocol)
+        if read is None:
+            return False
+        new = read(obj)
+        self.c.text += new.text
+        if new.token_ids is not None:
+            self.c.token_ids = (self.c.token_ids or []) + new.token_ids
+        if new.output_tokens is not None:
+            self.c.output_tokens = new.output_tokens
+        return bool(new.text or new.token_ids)
 
     def feed_body(self, body: bytes) -> None:
         self.feed_event(json_body(body))
 
     def feed_stream(self, data: bytes) -> None:
-        for obj in _sse_data(data):
+        """A whole recorded stream, an unterminated last event included."""
+        for obj in _event_objects(sse.events(data, torn=True)):
             self.feed_event(obj)
 
 
@@ -679,17 +623,13 @@ async def drive(
         try:
             async with client.stream(req.get("method", "POST"), url, content=body, headers=headers) as r:
                 if r.headers.get("content-type", "").startswith("text/event-stream"):
-                    pending = b""
+                    reader = sse.SseReader()
                     async for data in r.aiter_bytes():
-                        pending += data.replace(b"\r\n", b"\n")
-                        end = pending.rfind(b"\n\n")
-                        if end < 0:
-                            continue
-                        ready, pending = pending[: end + 2], pending[end + 2 :]
-                        for obj in _sse_data(ready):
+                        for obj in _event_objects(reader.feed(data)):
                             if parser.feed_event(obj) and ttft is None:
                                 ttft = time.perf_counter() - t0
-                    parser.feed_stream(pending)
+                    for obj in _event_objects(reader.flush()):
+                        parser.feed_event(obj)
                 else:
                     parser.feed_body(await r.aread())
                 status = r.status_code

@@ -8,12 +8,12 @@ no injected fields, the response body whole) so the rest of reconstruct treats b
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-_EPISODE_PATH = re.compile(r"^/e/([^/]+)(/.*)$")
+from openforge.protocols.endpoints import protocol_name, strip_prefixes
+
 SESSION_HEADERS = (
     ("x-openforge-episode", "header"),
     ("x-claude-code-session-id", "session_header"),
@@ -26,23 +26,6 @@ def is_mitm_file(path: Path) -> bool:
     with open(path, "rb") as f:
         first = f.read(1)
     return first.isdigit()
-
-
-def protocol_for(method: str, path: str) -> str:
-    path = path.split("?", 1)[0].rstrip("/")
-    if method == "POST" and path.endswith("/chat/completions"):
-        return "chat"
-    if method == "POST" and path.endswith("/completions"):
-        return "completions"
-    if method == "POST" and path.endswith("/responses"):
-        return "responses"
-    if method == "POST" and path.endswith("/messages/count_tokens"):
-        return "anthropic_count_tokens"
-    if method == "POST" and path.endswith("/messages"):
-        return "anthropic"
-    if path.endswith("/models"):
-        return "models"
-    return "other"
 
 
 class MitmFile:
@@ -83,11 +66,8 @@ def _message(m: Any) -> dict[str, Any]:
 
 def _record(flow: Any) -> dict[str, Any]:
     req, resp = flow.request, flow.response
-    path = req.path
-    episode, source = None, None
-    match = _EPISODE_PATH.match(path)
-    if match:
-        episode, source, path = match.group(1), "path", match.group(2)
+    path, prefixes = strip_prefixes(req.path)
+    episode, source = prefixes.episode, "path" if prefixes.episode else None
     for name, kind in SESSION_HEADERS:
         if episode is None and req.headers.get(name):
             episode, source = req.headers[name], kind
@@ -95,7 +75,8 @@ def _record(flow: Any) -> dict[str, Any]:
     response = None
     if resp is not None:
         streamed = "text/event-stream" in resp.headers.get("content-type", "")
-        response = {**_message(resp), "status": resp.status_code, "body": resp.content, "chunks": None, "streamed": streamed}
+        response = {**_message(resp), "status": resp.status_code, "body": resp.content, "chunks": None,
+                    "streamed": streamed}
     return {
         "type": "exchange",
         "id": flow.id,
@@ -103,7 +84,7 @@ def _record(flow: Any) -> dict[str, Any]:
         "episode_source": source,
         "role": "agent",
         "toolchain": None,
-        "protocol": protocol_for(req.method, path),
+        "protocol": protocol_name(req.method, path),
         "model": None,
         "t_start": req.timestamp_start,
         "t_first_byte": resp.timestamp_start if resp else None,

@@ -12,19 +12,19 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from openforge.addons.profiles import cut_prompt_ids
+from openforge.protocols import anthropic, engine_ids, responses, sse
+from openforge.protocols.chat import Drops, tool_call
+from openforge.protocols.endpoints import LLM_PROTOCOLS
+from openforge.protocols.errors import ProtocolError
 
 try:
     import orjson
 except ImportError:  # optional speed-up; the stdlib parses the same documents
     orjson = None  # type: ignore[assignment]
-
-LLM_PROTOCOLS = ("chat", "completions", "responses", "anthropic")
-
 
 class Skip(Exception):
     """A record that cannot become a training call; `reason` is a short class for the skipped table."""
@@ -95,14 +95,14 @@ class RawIds:
 def _loads_answer(data: bytes | str) -> Any:
     """`_loads` of an engine answer or SSE event, its one `prompt_token_ids` array left as `RawIds`.
 
-    The array is cut out without parsing (`addons.profiles.cut_prompt_ids`, as the proxy drops it),
+    The array is cut out without parsing (`engine_ids.cut_prompt_ids`, as the proxy drops it),
     read as `[]`, and put back as text where it was; an answer with it anywhere else is parsed normally.
     """
     if isinstance(data, str):  # SSE events arrive decoded
         if '"prompt_token_ids"' not in data:
             return _loads(data)
         data = data.encode()
-    rest, ids = cut_prompt_ids(data)
+    rest, ids = engine_ids.cut_prompt_ids(data)
     if ids is None:
         return _loads(data)
     obj = _loads(rest)
@@ -191,18 +191,10 @@ def _json_body(body: Any, what: str, loads=_loads) -> Any:
 
 
 def sse_events(raw: bytes) -> Iterator[tuple[str | None, str]]:
-    """Yield (event name, data) for each server-sent event; a torn last event is dropped."""
-    text = raw.decode("utf-8", "replace").replace("\r\n", "\n")
-    blocks = text.split("\n\n")
-    for block in blocks[:-1]:  # the last block is either empty or an event cut short
-        name, data = None, []
-        for line in block.split("\n"):
-            if line.startswith("data:"):
-                data.append(line[5:].removeprefix(" "))
-            elif line.startswith("event:"):
-                name = line[6:].strip()
-        if data:
-            yield name, "\n".join(data)
+    """Yield (event name, data) for each server-sent event with data; a torn last event is dropped."""
+    for name, data, _ in sse.events(raw):
+        if data is not None:
+            yield name, data
 
 
 def _sse_json(raw: bytes) -> Iterator[tuple[str | None, dict[str, Any]]]:
@@ -261,9 +253,10 @@ def _collect_image(part: dict[str, Any], images: list[Image]) -> None:
 
 
 def _tool_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
+    """A Chat tool call; arguments that are not yet JSON text are written as JSON."""
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return tool_call(call_id, name, arguments)
 
 
 def assistant_message(text: str, reasoning: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
@@ -309,14 +302,12 @@ def _chat_tools(request: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _logprob_values(lp: Any) -> tuple[list[float], list[int | None]]:
-    content = (lp or {}).get("content") or []
-    return [float(e.get("logprob", float("nan"))) for e in content], [e.get("id") for e in content]
-
-
-def _parse_chat(rec, request, raw, streamed, images) -> Call:
+def _parse_chat(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+                images: list[Image]) -> Call:
     if streamed:
-        text, reasoning, calls_by_index, finish, usage = [], [], {}, None, {}
+        text, reasoning, finish = [], [], None
+        calls_by_index: dict[int, dict[str, Any]] = {}
+        usage: dict[str, Any] = {}
         prompt_ids, comp_ids, logprobs, lp_ids, sgl = None, [], [], [], {}
         saw_choice = False
         for _, chunk in _sse_json(raw):
@@ -341,8 +332,8 @@ def _parse_chat(rec, request, raw, streamed, images) -> Call:
                     slot["args"].append(fn.get("arguments") or "")
                 if choice.get("prompt_token_ids") is not None and prompt_ids is None:
                     prompt_ids = choice["prompt_token_ids"]
-                comp_ids.extend(choice.get("token_ids") or [])
-                lps, ids = _logprob_values(choice.get("logprobs"))
+                comp_ids.extend(engine_ids.vllm_completion_ids(choice))
+                lps, ids = engine_ids.chat_logprobs(choice.get("logprobs"))
                 logprobs.extend(lps)
                 lp_ids.extend(ids)
                 finish = choice.get("finish_reason") or finish
@@ -368,16 +359,12 @@ def _parse_chat(rec, request, raw, streamed, images) -> Call:
             m.get("content") or "", m.get("reasoning_content") or m.get("reasoning"), tool_calls
         )
         finish, usage, sgl = choice.get("finish_reason"), body.get("usage") or {}, body.get("sglext") or {}
-        prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
-        comp_ids = choice.get("token_ids") or []
-        logprobs, lp_ids = _logprob_values(choice.get("logprobs"))
-    prompt_ids = prompt_ids or sgl.get("input_ids")
-    comp_ids = comp_ids or sgl.get("output_ids") or []
-    if (not comp_ids and lp_ids and all(i is not None for i in lp_ids)
-            and usage.get("completion_tokens") in (None, len(lp_ids))):
-        # llama.cpp: ids only inside logprobs; it merges the entries of tokens that end mid-character
-        # (an emoji split over two tokens gets one entry), and then they are not the completion's ids
-        comp_ids = lp_ids
+        prompt_ids = engine_ids.vllm_prompt_ids(body, choice)
+        comp_ids = engine_ids.vllm_completion_ids(choice)
+        logprobs, lp_ids = engine_ids.chat_logprobs(choice.get("logprobs"))
+    sgl_prompt, sgl_completion = engine_ids.sglang_ids(sgl)
+    prompt_ids = prompt_ids or sgl_prompt
+    comp_ids = comp_ids or sgl_completion or engine_ids.llamacpp_completion_ids(lp_ids, usage)
     return Call(
         **_base(rec, "chat", streamed),
         messages=_chat_messages(request, images),
@@ -395,14 +382,19 @@ def _parse_chat(rec, request, raw, streamed, images) -> Call:
 # ---------------------------------------------------------------- Completions
 
 
-def _parse_completions(rec, request, raw, streamed, images) -> Call:
+def _parse_completions(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+                       images: list[Image]) -> Call:
     prompt = request.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     prompt_ids = prompt if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt) else None
     if prompt_ids is None and not isinstance(prompt, str):
         raise Skip("unsupported_request", "completions prompt is neither text nor token ids")
-    text, comp_ids, logprobs, finish, usage = [], [], [], None, {}
+    text: list[str] = []
+    comp_ids: list[int] = []
+    logprobs: list[float] = []
+    usage: dict[str, Any] = {}
+    finish = None
     bodies = [c for _, c in _sse_json(raw)] if streamed else [_json_body(raw, "response", _loads_answer)]
     saw_choice = False
     for body in bodies:
@@ -442,57 +434,17 @@ def _parse_completions(rec, request, raw, streamed, images) -> Call:
 # ---------------------------------------------------------------- Responses
 
 
-def _responses_items(items: Any, images: list[Image], out: list[dict[str, Any]]) -> None:
-    """Append canonical messages for Responses input/output items (calls merge into one assistant turn)."""
-    if isinstance(items, str):
-        out.append({"role": "user", "content": items})
-        return
-    pending_reasoning: list[str] = []
-
-    def open_assistant() -> dict[str, Any]:
-        if out and out[-1]["role"] == "assistant" and out[-1].get("_open"):
-            return out[-1]
-        msg: dict[str, Any] = {"role": "assistant", "content": "", "_open": True}
-        out.append(msg)
-        return msg
-
-    for item in items or []:
-        kind = item.get("type", "message")
-        if kind == "reasoning":
-            parts = item.get("summary") or []
-            parts += item.get("content") or []
-            pending_reasoning.append("\n".join(p.get("text", "") for p in parts if isinstance(p, dict)))
-            continue
-        if kind == "message" and item.get("role") == "assistant":
-            msg = open_assistant()
-            text = _text_and_images(item.get("content"), images)
-            msg["content"] = f"{msg['content']}{text}"
-        elif kind == "message":
-            role = item.get("role", "user")
-            out.append(
-                {"role": "system" if role == "developer" else role, "content": _text_and_images(item.get("content"), images)}
-            )
-            continue
-        elif kind == "function_call":
-            msg = open_assistant()
-            msg.setdefault("tool_calls", []).append(
-                _tool_call(item.get("call_id"), item.get("name", ""), item.get("arguments", ""))
-            )
-        elif kind == "function_call_output":
-            out.append(
-                {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text_and_images(item.get("output"), images)}
-            )
-            continue
-        else:
-            continue
-        if pending_reasoning:
-            msg["reasoning_content"] = "\n".join(pending_reasoning)
-            pending_reasoning = []
-    for m in out:
-        m.pop("_open", None)
+def _proxy_conversion(convert: Callable[[dict, Drops], list[dict]], body: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the proxy sends the engine for this part of a client request (`openforge.protocols`), so a call
+    it translated and one it forwarded read alike; what the engine could not take is a Skip."""
+    try:
+        return convert(body, Drops())
+    except ProtocolError as e:
+        raise Skip("unsupported_request", e.message) from None
 
 
-def _parse_responses(rec, request, raw, streamed, images) -> Call:
+def _parse_responses(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+                     images: list[Image]) -> Call:
     if streamed:
         final, done_items = None, []
         for name, ev in _sse_json(raw):
@@ -511,18 +463,11 @@ def _parse_responses(rec, request, raw, streamed, images) -> Call:
         final = _json_body(raw, "response")
         if not isinstance(final, dict) or "output" not in final:
             raise Skip("no_choices", "responses body has no output")
-    messages: list[dict[str, Any]] = []
-    if request.get("instructions"):
-        messages.append({"role": "system", "content": request["instructions"]})
-    _responses_items(request.get("input"), images, messages)
-    produced: list[dict[str, Any]] = []
-    _responses_items(final.get("output") or [], images, produced)
+    messages = _chat_messages({"messages": _proxy_conversion(responses.messages, request)}, images)
+    output = _proxy_conversion(responses.messages, {"input": final.get("output") or []})
+    produced = _chat_messages({"messages": output}, images)
     completion = produced[-1] if produced else assistant_message("", None, [])
-    tools = [
-        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-        for t in request.get("tools") or []
-        if t.get("type") == "function"
-    ]
+    tools = _proxy_conversion(responses.tools, request)
     usage = final.get("usage") or {}
     has_calls = bool(completion.get("tool_calls"))
     return Call(
@@ -539,54 +484,13 @@ def _parse_responses(rec, request, raw, streamed, images) -> Call:
 # ---------------------------------------------------------------- Anthropic Messages
 
 
-def _anthropic_messages(request: dict[str, Any], images: list[Image]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    system = request.get("system")
-    if system:
-        out.append({"role": "system", "content": _text_and_images(system, images)})
-    for m in request.get("messages") or []:
-        role, content = m.get("role"), m.get("content")
-        if isinstance(content, str) or role == "system":
-            out.append({"role": role, "content": _text_and_images(content, images)})
-            continue
-        if role == "assistant":
-            out.append(_anthropic_assistant(content or [], images))
-            continue
-        texts: list[dict[str, Any]] = []
-        for block in content or []:
-            if block.get("type") == "tool_result":
-                out.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": block.get("tool_use_id"),
-                        "content": _text_and_images(block.get("content"), images),
-                    }
-                )
-            else:
-                texts.append(block)
-        if texts:
-            out.append({"role": role, "content": _text_and_images(texts, images)})
-    return out
-
-
-def _anthropic_assistant(blocks: list[dict[str, Any]], images: list[Image]) -> dict[str, Any]:
-    text, reasoning, calls = [], [], []
-    for b in blocks:
-        kind = b.get("type")
-        if kind == "text":
-            text.append(b.get("text") or "")
-        elif kind == "thinking":
-            reasoning.append(b.get("thinking") or "")
-        elif kind == "tool_use":
-            calls.append(_tool_call(b.get("id"), b.get("name", ""), b.get("input") or {}))
-    return assistant_message("".join(text), "".join(reasoning) or None, calls)
-
-
-def _parse_anthropic(rec, request, raw, streamed, images) -> Call:
+def _parse_anthropic(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+                     images: list[Image]) -> Call:
     if streamed:
         blocks: dict[int, dict[str, Any]] = {}
         partial: dict[int, list[str]] = {}
-        stop, usage, stopped = None, {}, False
+        stop, stopped = None, False
+        usage: dict[str, Any] = {}
         for name, ev in _sse_json(raw):
             kind = ev.get("type") or name
             if kind == "message_start":
@@ -620,19 +524,13 @@ def _parse_anthropic(rec, request, raw, streamed, images) -> Call:
         if not isinstance(body, dict) or body.get("type") == "error" or "content" not in body:
             raise Skip("no_choices", f"anthropic body has no content: {raw[:200]!r}")
         content, stop, usage = body["content"], body.get("stop_reason"), body.get("usage") or {}
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": t["name"], "description": t.get("description", ""), "parameters": t["input_schema"]},
-        }
-        for t in request.get("tools") or []
-        if "input_schema" in t and "name" in t
-    ]
+    tools = _proxy_conversion(anthropic.tools, request)
+    answer = [{"role": "assistant", "content": content}]
     return Call(
         **_base(rec, "anthropic", streamed),
-        messages=_anthropic_messages(request, images),
+        messages=_chat_messages({"messages": _proxy_conversion(anthropic.messages, request)}, images),
         tools=tools or None,
-        completion=_anthropic_assistant(content, images),
+        completion=_chat_messages({"messages": _proxy_conversion(anthropic.messages, {"messages": answer})}, images)[0],
         finish_reason=stop,
         prompt_tokens=usage.get("input_tokens"),
         completion_tokens=usage.get("output_tokens"),

@@ -1,0 +1,10 @@
+"""The wire protocols, written once: endpoints and path prefixes, SSE, and one module per protocol.
+
+Standard library only: the mitmproxy addon imports this package beside nothing but mitmproxy and msgpack,
+and reconstruct and replay read the same bytes through the same functions.
+
+`endpoints` which protocol a path speaks and what its `/e/`, `/r/`, `/k/` prefixes say · `sse` one
+incremental server-sent-events reader · `errors` error bodies in each client's shape · `chat` the Chat
+Completions pieces the others build · `anthropic`, `responses` a request as Chat Completions messages ·
+`engine_ids` where vLLM, SGLang and llama.cpp put token ids and logprobs.
+"""
