@@ -11,9 +11,13 @@ from typing import Any
 
 from mitmproxy import http
 
+from openforge.protocols import errors as protocol_errors
+from openforge.protocols.engine_ids import body_has_token_ids, has_token_ids
+from openforge.protocols.errors import ProtocolError
+
 from . import profiles, translate
 from .errors import Refused, error_message
-from .exchange import Exchange, body_has_token_ids
+from .exchange import Exchange
 
 
 def set_body(message: http.Message, data: bytes) -> None:
@@ -77,7 +81,7 @@ def strip_body(resp: http.Response, ex: Exchange) -> bool:
         return False
     if not isinstance(obj, dict):
         return False
-    has_ids = cut or profiles.has_token_ids(obj)
+    has_ids = cut or has_token_ids(obj)
     if profiles.strip(obj, ex.injected):
         set_body(resp, profiles.encode_json(obj).encode())
     return has_ids
@@ -92,15 +96,15 @@ def translate_body(resp: http.Response, ex: Exchange) -> None:
     try:
         if resp.status_code >= 400 or engine is None:
             message = error_message(engine) or resp.get_text(strict=False) or f"engine answered {resp.status_code}"
-            out = translate.error_body(client, resp.status_code if resp.status_code >= 400 else 502, message)
+            out = protocol_errors.error_body(client, resp.status_code if resp.status_code >= 400 else 502, message)
             if resp.status_code < 400:
                 resp.status_code = 502
         elif source == "anthropic_count_tokens":
             out = translate.count_tokens_response(engine)
         else:
             out = translate.response_from_chat(source, engine, ex.client_body or {})
-    except translate.TranslationError as e:
-        out, resp.status_code = translate.error_body(client, e.status, e.message), e.status
+    except ProtocolError as e:
+        out, resp.status_code = protocol_errors.error_body(client, e.status, e.message), e.status
         ex.error = e.message
     resp.content = json.dumps(out, ensure_ascii=False).encode()
     resp.headers["content-type"] = "application/json"

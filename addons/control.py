@@ -78,7 +78,8 @@ class Control:
                 logger.info(f"reward episode={wire.printable(episode)} reward={record['reward']:g}")
         flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
 
-    def _reward_record(self, flow: http.HTTPFlow, episode: str, rest: str, s: options.Settings) -> dict[str, Any]:
+    def _reward_record(self, flow: http.HTTPFlow, episode: str, rest: str,
+                       s: options.Settings) -> flowfile.RewardRecord:
         """The reward record a post makes; `Refused` (in the order a client can fix it) when it makes none."""
         req = flow.request
         if rest != "reward" or not episode:
@@ -116,7 +117,7 @@ class Control:
         record_id, seq = self._recorder.next_id()
         return {"type": "reward", "id": record_id, "proxy": self._recorder.instance, "seq": seq, "t": time.time(),
                 "episode": episode, "reward": float(reward), "task_id": None if task_id is None else str(task_id),
-                "metadata": metadata, "reward_policy": s.reward_policy}
+                "metadata": metadata, "reward_policy": "first" if s.reward_policy == "first" else "last"}
 
     def _status(self, flow: http.HTTPFlow, s: options.Settings) -> None:
         """GET /openforge/v1/status: a readiness probe, answered here. `write_error`: why the last record

@@ -1,11 +1,12 @@
 """What the proxy answers itself when a call cannot go on: errors in the client's own protocol.
 
-Every refusal, failure and unrecorded answer is shaped here (`wire.error_body`), so a client's SDK reads
+Every refusal, failure and unrecorded answer is shaped here (`error_body`, from `openforge.protocols.errors`), so a client's SDK reads
 it as its vendor's error instead of choking on text or mitmproxy's HTML page.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,8 @@ from mitmproxy import http
 from mitmproxy.net.http import http1
 from mitmproxy.proxy.layers.http import _http1
 
-from . import wire
+from openforge.protocols import errors as protocol_errors
+
 from .exchange import Exchange
 
 
@@ -33,7 +35,7 @@ def client_protocol(ex: Exchange) -> str:
 
 def protocol_error(protocol: str, status: int, message: str, kind: str) -> http.Response:
     """An error answer in `protocol`'s shape."""
-    return http.Response.make(status, wire.error_body(protocol, status, message, kind),
+    return http.Response.make(status, error_body(protocol, status, message, kind),
                               {"content-type": "application/json"})
 
 
@@ -47,20 +49,19 @@ def unrecorded_message(problem: str) -> str:
 
 
 def error_event(protocol: str, message: str) -> bytes:
-    """An SSE error event in the client's protocol: Anthropic and Responses name it, Chat sends bare data."""
-    body = wire.error_body(protocol, 503, message, "recording_failed")
-    named = protocol in wire.ANTHROPIC_PROTOCOLS or protocol == "responses"
-    return (b"event: error\n" if named else b"") + b"data: " + body + b"\n\n"
+    """An SSE error event in the client's protocol for an answer that could not be recorded."""
+    return protocol_errors.error_event(
+        protocol, protocol_errors.error_body(protocol, 503, message, "recording_failed", "recording_failed"))
+
+
+def error_body(protocol: str, status: int, message: str, kind: str) -> bytes:
+    """The proxy's own error answer in the client's protocol shape, `kind` its OpenAI type and code."""
+    return json.dumps(protocol_errors.error_body(protocol, status, message, kind, kind)).encode()
 
 
 def error_message(obj: dict[str, Any] | None) -> str | None:
     """The message of an engine's error object, whatever its shape (OpenAI, FastAPI `detail`, plain)."""
-    if not obj:
-        return None
-    err = obj.get("error")
-    if isinstance(err, dict):
-        return str(err.get("message") or err)
-    return str(err or obj.get("message") or obj.get("detail") or "") or None
+    return protocol_errors.engine_message(obj) if obj else None
 
 
 class ErrorPages:

@@ -12,10 +12,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from openforge.protocols import errors
-from openforge.protocols.engine_ids import body_has_token_ids, stream_has_token_ids  # noqa: F401 - the proxy's names
 from openforge.protocols.sse import has_terminal_event
 
-from . import profiles, wire
+from . import flowfile, profiles, wire
 
 
 class Exchange:
@@ -45,7 +44,7 @@ class Exchange:
         self.client_request = RequestParts("", "", (), None)
         self.upstream_request: RequestParts | None = None
         self.injected: list[str] = []
-        self.translated: dict[str, Any] | None = None
+        self.translated: flowfile.Translation | None = None
         self.client_body: dict[str, Any] | None = None  # the client's parsed request, kept when translating
         self.chunks: list[list[Any]] = []
         self.client_chunks: list[list[Any]] | None = None
@@ -101,7 +100,7 @@ class Exchange:
 
     # -- the record --------------------------------------------------------------------------------------
     def record(self, response: ResponseParts | None, client_response: ResponseParts | None,
-               complete: bool, has_token_ids: bool) -> dict[str, Any]:
+               complete: bool, has_token_ids: bool) -> flowfile.ExchangeRecord:
         return {
             "type": "exchange",
             "id": self.id,
@@ -150,7 +149,7 @@ class RequestParts(NamedTuple):
     fields: tuple[tuple[bytes, bytes], ...]
     body: bytes | None
 
-    def to_map(self) -> dict[str, Any]:
+    def to_map(self) -> flowfile.HttpRequest:
         return {"method": self.method, "url": wire.masked_url(self.url), "headers": wire.masked_fields(self.fields),
                 "body": self.body}
 
@@ -163,7 +162,7 @@ class ResponseParts(NamedTuple):
     body: bytes | None
     chunks: list[list[Any]] | None = None
 
-    def to_map(self) -> dict[str, Any]:
+    def to_map(self) -> flowfile.HttpResponse:
         streamed = self.chunks is not None
         return {"status": self.status, "headers": wire.masked_fields(self.fields),
                 "body": None if streamed else self.body, "chunks": self.chunks, "streamed": streamed}

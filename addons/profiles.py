@@ -12,7 +12,7 @@ import json
 import urllib.request
 from typing import Any
 
-from openforge.protocols.engine_ids import cut_prompt_ids, has_token_ids, prompt_ids_span  # noqa: F401 - re-exported
+from openforge.protocols.engine_ids import cut_prompt_ids, has_token_ids
 from openforge.protocols.sse import split_complete
 
 

@@ -24,12 +24,16 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
-from . import access, bodies, calllog, control, errors, options, profiles, routes, translate, wire
+from openforge.protocols import endpoints
+from openforge.protocols.engine_ids import body_has_token_ids
+from openforge.protocols.errors import ProtocolError
+
+from . import access, bodies, calllog, control, errors, flowfile, options, profiles, routes, translate, wire
 from .calllog import CallLog
 from .control import Control
 from .engine import Engine
 from .errors import Refused
-from .exchange import Exchange, RequestParts, ResponseParts, body_has_token_ids
+from .exchange import Exchange, RequestParts, ResponseParts
 from .recorder import META, Recorder, response_parts
 
 logger = logging.getLogger("openforge")
@@ -145,7 +149,7 @@ class OpenForge:
             return
         s = self.settings
         if s is None:
-            protocol = wire.protocol_of(flow.request.path.partition("?")[0]) or "other"
+            protocol = endpoints.protocol_of(flow.request.path.partition("?")[0]) or "other"
             flow.response = errors.protocol_error(protocol, 503, "OpenForge proxy is not configured (see its log)",
                                                   "not_configured")
             return
@@ -163,7 +167,7 @@ class OpenForge:
                 return
             ex.engine_profile = await self.engine.profile_for(s)
             self._prepare(flow, ex, s)
-        except translate.TranslationError as e:
+        except ProtocolError as e:
             self._answer(flow, ex, e.status, e.message, "invalid_request_error")
         except Refused as e:
             self._answer(flow, ex, e.status, e.message, e.kind)
@@ -250,10 +254,10 @@ class OpenForge:
             return None
         direct = self._is_direct(flow)
         vendor = not direct and req.pretty_host.lower() in s.vendor_hosts
-        prefixes = wire.Prefixes()
+        prefixes = endpoints.Prefixes()
         if direct:
-            path, prefixes = wire.strip_prefixes(path)
-        kind = wire.classify(req.method, path) if (direct or vendor) else None
+            path, prefixes = endpoints.strip_prefixes(path)
+        kind = endpoints.classify(req.method, path) if (direct or vendor) else None
         if s.client_tokens and (direct or kind is not None) and not access.matches(
                 access.presented(req.headers.fields, prefixes.token), s.client_tokens):
             self._refuse(flow, s, kind, path, prefixes, 401, "OpenForge: missing or unknown API key: present one "
@@ -285,7 +289,7 @@ class OpenForge:
         self._to_upstream(flow, s, routes.upstream_path(s, canonical, query), llm=True)
         return ex
 
-    def _describe(self, flow: http.HTTPFlow, ex: Exchange, prefixes: wire.Prefixes, s: options.Settings) -> None:
+    def _describe(self, flow: http.HTTPFlow, ex: Exchange, prefixes: endpoints.Prefixes, s: options.Settings) -> None:
         """Role, episode and toolchain of a call."""
         headers = wire.header_map(flow.request.headers.fields)  # one pass; mitmproxy's get() scans per call
         ex.role = prefixes.role or headers.get("x-openforge-role") or s.default_role
@@ -293,7 +297,7 @@ class OpenForge:
         ex.toolchain = wire.toolchain(headers.get("user-agent"))
 
     def _refuse(self, flow: http.HTTPFlow, s: options.Settings, kind: tuple[str, str] | None, path: str,
-                prefixes: wire.Prefixes, status: int, message: str, error_kind: str) -> None:
+                prefixes: endpoints.Prefixes, status: int, message: str, error_kind: str) -> None:
         """Answer a request that may not go upstream, in its protocol's error shape; record and log it."""
         ex = self._new(flow, kind[0] if kind else "other", path)
         self._describe(flow, ex, prefixes, s)
@@ -348,11 +352,11 @@ class OpenForge:
                     chat = translate.count_tokens_request(body)
                 else:
                     chat, dropped = translate.request_to_chat(ex.protocol, body)
-                ex.translated = {"from": ex.protocol, "to": "chat", "dropped": dropped}
+                ex.translated = flowfile.Translation({"from": ex.protocol, "to": "chat", "dropped": dropped})
                 ex.client_body = body
                 body, engine_protocol = chat, "chat"
-                req.path = s.upstream_prefix + wire.CANONICAL["chat"]
-            elif ex.protocol in wire.ANTHROPIC_PROTOCOLS and s.upstream_key:
+                req.path = s.upstream_prefix + endpoints.CANONICAL["chat"]
+            elif ex.protocol in endpoints.ANTHROPIC_PROTOCOLS and s.upstream_key:
                 req.headers["x-api-key"] = s.upstream_key
             route = s.route(ex.role)
             if route is not None:

@@ -15,8 +15,10 @@ from typing import Any
 
 from mitmproxy import http
 
+from openforge.protocols.engine_ids import stream_has_token_ids
+
 from . import flowfile, options
-from .exchange import Exchange, ResponseParts, stream_has_token_ids
+from .exchange import Exchange, ResponseParts
 
 logger = logging.getLogger("openforge")
 META = "openforge"  # the flow.metadata key of a flow's Exchange
@@ -93,7 +95,7 @@ class Recorder:
         ex.written = problem is None
         return problem
 
-    def write_record(self, record: dict[str, Any]) -> str | None:
+    def write_record(self, record: flowfile.FlowRecord) -> str | None:
         """Append a record to the flow file, flushed to the OS; why not, if it could not be written (logged:
         the caller answers its client with an error instead). A later write tries again."""
         if self.writer is None:

@@ -8,20 +8,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from collections.abc import Iterable
 from urllib.parse import unquote, unquote_plus
-
-from openforge.protocols import errors
-from openforge.protocols.endpoints import (  # noqa: F401 - the proxy's names for them
-    ANTHROPIC_PROTOCOLS,
-    CANONICAL,
-    Prefixes,
-    classify,
-    protocol_of,
-    strip_prefixes,
-)
 
 # Credentials: masked in records and logs, never forwarded to the engine. Names ending like an API key or a
 # token count too (`x-goog-api-key`, Azure's `api-key`, `x-auth-token`).
@@ -167,7 +156,3 @@ def masked_fields(fields: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
              mask(v.decode("utf-8", "surrogateescape")) if is_secret_header(k)
              else v.decode("utf-8", "surrogateescape")] for k, v in fields]
 
-
-def error_body(protocol: str, status: int, message: str, kind: str) -> bytes:
-    """An error object in the client's own protocol shape (Anthropic or OpenAI), `kind` its OpenAI type and code."""
-    return json.dumps(errors.error_body(protocol, status, message, kind, kind)).encode()

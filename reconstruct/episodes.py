@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from openforge.reconstruct.tokenize import stable_json
@@ -37,7 +38,8 @@ def strict_message(m: dict[str, Any]) -> str:
     return stable_json([m.get("role"), m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content")])
 
 
-def chain_hashes(messages: list[dict[str, Any]], tools: Any, completion: dict[str, Any], key) -> tuple[list[str], str]:
+def chain_hashes(messages: list[dict[str, Any]], tools: Any, completion: dict[str, Any],
+                 key: Callable[[dict[str, Any]], str]) -> tuple[list[str], str]:
     """Hashes of every conversation prefix (index k = first k messages) and of messages + completion."""
     h = _h("", stable_json(tools or []))
     prefixes = [h]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from openforge.addons.flowfile import ExchangeRecord, HttpResponse
 from openforge.protocols import anthropic, engine_ids, responses, sse
 from openforge.protocols.chat import Drops, tool_call
 from openforge.protocols.endpoints import LLM_PROTOCOLS
@@ -124,7 +125,7 @@ def _ids(ids: Any) -> list[int] | RawIds | None:
 # ---------------------------------------------------------------- record -> Call
 
 
-def parse_record(rec: dict[str, Any]) -> Call:
+def parse_record(rec: ExchangeRecord) -> Call:
     """Canonicalise an exchange record, or raise Skip."""
     if not isinstance(rec.get("id"), str) or not rec["id"]:
         raise Skip("malformed_record", f"record id {rec.get('id')!r} is not a string")  # calls are keyed by it
@@ -158,7 +159,7 @@ def parse_record(rec: dict[str, Any]) -> Call:
     return call
 
 
-def _response_bytes(response: dict[str, Any]) -> bytes:
+def _response_bytes(response: HttpResponse) -> bytes:
     """The answer's bytes: the body, or the SSE chunks joined (`bytes(n)` of a number would allocate n bytes)."""
     chunks = response.get("chunks")
     if chunks is not None:
@@ -183,7 +184,7 @@ def _loads(data: Any) -> Any:
     return json.loads(data)
 
 
-def _json_body(body: Any, what: str, loads=_loads) -> Any:
+def _json_body(body: Any, what: str, loads: Callable[[Any], Any] = _loads) -> Any:
     try:
         return loads(body or b"")
     except (ValueError, TypeError) as e:
@@ -247,7 +248,7 @@ def _collect_image(part: dict[str, Any], images: list[Image]) -> None:
         mime = head.split(";")[0] or None
         data = base64.b64decode(payload) if ";base64" in head else payload.encode()
     elif isinstance(url, str) or source.get("url"):
-        mime, data = "text/uri-list", (url or source.get("url")).encode()
+        mime, data = "text/uri-list", str(url or source.get("url") or "").encode()
     if data is not None:
         images.append(Image(hashlib.sha256(data).hexdigest(), mime, data))
 
@@ -268,7 +269,7 @@ def assistant_message(text: str, reasoning: str | None, tool_calls: list[dict[st
     return msg
 
 
-def _base(rec: dict[str, Any], protocol: str, streamed: bool) -> dict[str, Any]:
+def _base(rec: ExchangeRecord, protocol: str, streamed: bool) -> dict[str, Any]:
     return {"call_id": str(rec.get("id")), "protocol": protocol, "streamed": streamed, "status": None}
 
 
@@ -302,7 +303,7 @@ def _chat_tools(request: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _parse_chat(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+def _parse_chat(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, streamed: bool,
                 images: list[Image]) -> Call:
     if streamed:
         text, reasoning, finish = [], [], None
@@ -382,7 +383,7 @@ def _parse_chat(rec: dict[str, Any], request: dict[str, Any], raw: bytes, stream
 # ---------------------------------------------------------------- Completions
 
 
-def _parse_completions(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+def _parse_completions(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, streamed: bool,
                        images: list[Image]) -> Call:
     prompt = request.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -443,7 +444,7 @@ def _proxy_conversion(convert: Callable[[dict, Drops], list[dict]], body: dict[s
         raise Skip("unsupported_request", e.message) from None
 
 
-def _parse_responses(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+def _parse_responses(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, streamed: bool,
                      images: list[Image]) -> Call:
     if streamed:
         final, done_items = None, []
@@ -484,7 +485,7 @@ def _parse_responses(rec: dict[str, Any], request: dict[str, Any], raw: bytes, s
 # ---------------------------------------------------------------- Anthropic Messages
 
 
-def _parse_anthropic(rec: dict[str, Any], request: dict[str, Any], raw: bytes, streamed: bool,
+def _parse_anthropic(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, streamed: bool,
                      images: list[Image]) -> Call:
     if streamed:
         blocks: dict[int, dict[str, Any]] = {}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from openforge.addons import options, profiles, wire
+from openforge.protocols import endpoints, engine_ids
 
 pytestmark = pytest.mark.addon
 
@@ -55,13 +56,13 @@ def test_bad_values_have_clear_messages(tmp_path: Path, values: dict[str, str], 
 
 
 def test_classify_and_prefixes() -> None:
-    assert wire.classify("POST", "/v1/chat/completions") == ("chat", "/v1/chat/completions")
-    assert wire.classify("POST", "/backend-api/codex/responses") == ("responses", "/v1/responses")
-    assert wire.classify("POST", "/v1/messages/count_tokens")[0] == "anthropic_count_tokens"
-    assert wire.classify("GET", "/v1/models")[0] == "models"
-    assert wire.classify("GET", "/v1/chat/completions") is None and wire.classify("POST", "/health") is None
-    assert wire.strip_prefixes("/e/ep%201/r/vl/v1/messages") == ("/v1/messages", wire.Prefixes("ep 1", "vl"))
-    assert wire.strip_prefixes("/r/a/k/tok%2Fen/e/b/v1/x") == ("/v1/x", wire.Prefixes("b", "a", "tok/en"))
+    assert endpoints.classify("POST", "/v1/chat/completions") == ("chat", "/v1/chat/completions")
+    assert endpoints.classify("POST", "/backend-api/codex/responses") == ("responses", "/v1/responses")
+    assert endpoints.classify("POST", "/v1/messages/count_tokens")[0] == "anthropic_count_tokens"
+    assert endpoints.classify("GET", "/v1/models")[0] == "models"
+    assert endpoints.classify("GET", "/v1/chat/completions") is None and endpoints.classify("POST", "/health") is None
+    assert endpoints.strip_prefixes("/e/ep%201/r/vl/v1/messages") == ("/v1/messages", endpoints.Prefixes("ep 1", "vl"))
+    assert endpoints.strip_prefixes("/r/a/k/tok%2Fen/e/b/v1/x") == ("/v1/x", endpoints.Prefixes("b", "a", "tok/en"))
 
 
 def test_mask_and_toolchain() -> None:
@@ -92,7 +93,7 @@ def test_inject_per_profile() -> None:
     (b'{"content": "prompt_token_ids"}', None),
 ])
 def test_prompt_ids_are_cut_unparsed_only_when_unambiguous(body: bytes, found: bytes | None) -> None:
-    span = profiles.prompt_ids_span(body)
+    span = engine_ids.prompt_ids_span(body)
     assert (body[span[0]:span[1]] if span else None) == found
     expected = json.loads(body)
     if found:

@@ -28,3 +28,11 @@ def imported_by(module: str) -> set[str]:
 def test_dependencies_point_one_way(module: str) -> None:
     loaded = imported_by(module)
     assert not [m for m in FORBIDDEN[module] if m in loaded]
+
+
+def test_protocols_need_only_the_standard_library() -> None:
+    """The proxy imports `openforge.protocols` beside mitmproxy and msgpack only."""
+    modules = ["openforge.protocols." + p.stem for p in (ROOT / "openforge" / "protocols").glob("[a-z]*.py")]
+    loaded = imported_by(", ".join(modules))
+    outside = {m.split(".")[0] for m in loaded} - set(sys.stdlib_module_names) - {"openforge"}
+    assert not outside

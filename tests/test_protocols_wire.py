@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from openforge.addons import profiles, wire
+from openforge.addons import errors as addon_errors
 from openforge.protocols import endpoints, engine_ids, errors, sse
 
 pytestmark = pytest.mark.addon
@@ -65,7 +65,6 @@ def test_one_prefix_parser_for_the_proxy_replay_and_mitmproxy_files() -> None:
     rest, found = endpoints.strip_prefixes("/k/sk%2Done/e/ep%201/r/judge/v1/messages")
     assert (rest, found.episode, found.role, found.token) == ("/v1/messages", "ep 1", "judge", "sk-one")
     assert endpoints.strip_prefixes("/e/ep")[0] == "/" and endpoints.strip_prefixes("/v1/e/x")[0] == "/v1/e/x"
-    assert wire.strip_prefixes is endpoints.strip_prefixes and wire.classify is endpoints.classify
 
 
 def test_error_bodies_have_one_status_table() -> None:
@@ -76,9 +75,9 @@ def test_error_bodies_have_one_status_table() -> None:
                      422: "invalid_request_error", 500: "api_error", 503: "api_error", 529: "overloaded_error"}
     assert errors.error_body("chat", 503, "m") == {
         "error": {"message": "m", "type": "server_error", "param": None, "code": None}}
-    assert json.loads(wire.error_body("responses", 503, "m", "recording_failed")) == {
+    assert json.loads(addon_errors.error_body("responses", 503, "m", "recording_failed")) == {
         "error": {"message": "m", "type": "recording_failed", "param": None, "code": "recording_failed"}}
-    anthropic = json.loads(wire.error_body("anthropic_count_tokens", 401, "m", "x"))
+    anthropic = json.loads(addon_errors.error_body("anthropic_count_tokens", 401, "m", "x"))
     assert anthropic["error"]["type"] == "authentication_error"
 
 
@@ -92,7 +91,6 @@ def test_engine_ids_by_engine() -> None:
     assert engine_ids.llamacpp_completion_ids(ids, {"completion_tokens": 3}) == []  # merged entries: not the ids
     assert engine_ids.llamacpp_completion_ids([7, None], {}) == []
     assert engine_ids.has_token_ids({"choices": [{"logprobs": {"content": [{"id": 1}]}}]})
-    assert profiles.has_token_ids is engine_ids.has_token_ids
 
 
 def test_generated_text_of_a_stream_is_that_of_the_whole_answer() -> None:
