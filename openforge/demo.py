@@ -190,11 +190,11 @@ class Demo:
         return episodes
 
     def reconstruct(self) -> None:
-        from openforge.models import load_tokenizer
+        from openforge.models import load_gguf_tokenizer
         from openforge.reconstruct import reconstruct
 
         with self.stage("reconstruct", "reconstruct flow files into DuckDB"):
-            tokenizer = load_tokenizer(self.gguf)  # with the chat template the engine rendered prompts with
+            tokenizer = load_gguf_tokenizer(self.gguf)  # with the chat template the engine rendered prompts with
             self.result.reconstruct = reconstruct([self.flow_dir], self.result.db, tokenizer, run="demo")
         if not self.result.reconstruct.samples:
             raise DemoError(f"reconstruct built no samples from {self.flow_dir}: {dict(self.result.reconstruct.skipped)}")
