@@ -13,7 +13,6 @@ import json
 import math
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from openforge.engine import EmbeddedEngine, die_with_parent, free_port
+from openforge.engine import EmbeddedEngine
+from openforge.processes import Child, free_port, listens, mitmdump_command
 
 ROOT = Path(__file__).resolve().parent.parent
 RL_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
@@ -75,45 +74,28 @@ class Proxy:
     def __init__(self, upstream: str, flow_dir: Path, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        mitmdump = Path(sys.executable).parent / "mitmdump"
-        self.command = [
-            str(mitmdump if mitmdump.exists() else "mitmdump"), "-s", str(ROOT / "addons" / "openforge.py"),
-            "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "--listen-port", str(self.port),
-            "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", f"openforge_upstream_url={upstream}",
-            "--set", f"openforge_flow_dir={flow_dir}", "--set", "openforge_engine_profile=llamacpp",
-            "--set", "openforge_models=" + json.dumps({"agent": {"sampling": RL_SAMPLING}}),
-            "--set", f"confdir={flow_dir.parent / 'mitmproxy'}",
-        ]  # fmt: skip
+        self.command = mitmdump_command(self.port, mode=f"reverse:{upstream}", sets=[
+            "connection_strategy=lazy", "flow_detail=0", f"openforge_upstream_url={upstream}",
+            f"openforge_flow_dir={flow_dir}", "openforge_engine_profile=llamacpp",
+            "openforge_models=" + json.dumps({"agent": {"sampling": RL_SAMPLING}}),
+            f"confdir={flow_dir.parent / 'mitmproxy'}",
+        ])
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
 
     def __enter__(self) -> Proxy:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     start_new_session=True, preexec_fn=die_with_parent)
-        log.close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mitmdump exited with code {self.proc.returncode}; see {self.log_path}")
-            try:
-                httpx.get(f"{self.url}/openforge/v1/health", timeout=1.0)
-                return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        self.__exit__()
-        raise RuntimeError(f"mitmdump did not listen on {self.url} within 60 s; see {self.log_path}")
+        self.child = Child(self.command, name="mitmdump", log_path=self.log_path)
+        try:
+            self.child.wait_ready(self.url, 60, probe=listens)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        child, self.child = self.child, None
+        if child is not None:
+            child.stop(signal.SIGINT, 15)
 
 
 class Demo:

@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 import typer
 
 from openforge.cli import app
+from openforge.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -132,12 +132,6 @@ def test_demo_next_lines_run_as_printed(tmp_path: Path) -> None:
             assert "pip install jupyterlab" in line or shutil.which(args[0]) or Path(args[0]).exists(), line
         assert shutil.which(args[0]) or Path(args[0]).exists() or "pip install" in line, line
     assert f"OPENFORGE_DB={demo.result.db.resolve()}" in lines[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
