@@ -23,6 +23,9 @@ from openforge.processes import Child, ChildError, free_port, listens, mitmdump_
 
 # The light proxy-only environment (Python 3.12 + mitmproxy 12) has no torch / duckdb / typer.
 LIGHT_ENV = importlib.util.find_spec("torch") is None or importlib.util.find_spec("typer") is None
+# Fixture modules every test file may use by name (qwen_tok, retok, tiny_qwen_dir, one_torch_thread); they
+# import the training stack, so the light environment, whose addon tests use none of them, goes without.
+pytest_plugins = [] if LIGHT_ENV else ["tests.support.reconstruct_fixtures", "tests.support.trainer_samples"]
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

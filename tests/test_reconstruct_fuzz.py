@@ -29,7 +29,6 @@ from openforge.addons.flowfile import pack
 from openforge.reconstruct import reconstruct, store
 from openforge.reconstruct.api import Summary
 from openforge.reconstruct.protocols import sse_events
-from tests.support.reconstruct_fixtures import qwen_tok, retok  # noqa: F401 - session fixtures
 from tests.support.reconstruct_flows import BASH, db_rows, qwen_path
 from tests.support.scripted_engine import ScriptedEngine
 

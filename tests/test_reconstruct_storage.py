@@ -15,7 +15,6 @@ import openforge.reconstruct.api as api
 from openforge.reconstruct import protocols, reconstruct
 from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
 from openforge.reconstruct.protocols import RawIds
-from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import FlowFactory, db_rows
 
 SAMPLES = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"

@@ -64,10 +64,11 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen3") / "model")
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny models gain nothing from intra-op threads, and on 2 shared cores busy-waiting threads make
-    them many times slower; restored after the module."""
+    them many times slower; restored after the module. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
     import torch
 
     before = torch.get_num_threads()
