@@ -39,7 +39,8 @@ MAX_TOKENS = 16
 
 
 def chat_body(seed: int) -> dict:
-    messages = [{"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": f"What is {seed} * 3?" + ASK}]
+    messages = [{"role": "system", "content": SYSTEM}, *FEW_SHOT,
+                {"role": "user", "content": f"What is {seed} * 3?" + ASK}]
     return {"model": "smollm2", "messages": messages, "tools": TOOLS, "max_tokens": MAX_TOKENS, "stream": True,
             "seed": seed}
 
@@ -80,7 +81,8 @@ def start_proxy(upstream: str, tmp: Path) -> tuple[Child, str]:
     return proxy, url
 
 
-def row(name: str, samples: list[tuple[float, float]], base: list[tuple[float, float]] | None, cpu: float | None) -> str:
+def row(name: str, samples: list[tuple[float, float]], base: list[tuple[float, float]] | None,
+        cpu: float | None) -> str:
     ttft = statistics.median(s[0] for s in samples)
     total = statistics.median(s[1] for s in samples)
     added = f"{(total - statistics.median(s[1] for s in base)) * 1000:+8.0f}" if base else " " * 8
@@ -100,8 +102,8 @@ def main() -> None:
     first_start = time.monotonic() - started
     proxy, proxy_url = start_proxy(engine.url, tmp)
     try:
-        results: dict[str, list[tuple[float, float]]] = {k: [] for k in ("chat direct", "chat proxy", "anthropic direct",
-                                                                         "anthropic proxy (translated)")}
+        names = ("chat direct", "chat proxy", "anthropic direct", "anthropic proxy (translated)")
+        results: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
         proxy_cpu = {"chat proxy": 0.0, "anthropic proxy (translated)": 0.0}
         with httpx.Client(timeout=600) as http:
             timed_stream(http, f"{engine.url}/v1/chat/completions", chat_body(0))  # warm the prefix cache

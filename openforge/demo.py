@@ -143,10 +143,12 @@ class Demo:
     def start_proxy(self) -> None:
         assert self.engine is not None
         with self.stage("proxy", "start mitmdump -s addons/openforge.py"):
-            self.proxy = self.stack.enter_context(Proxy(self.engine.url, self.flow_dir, self.out / "logs" / "proxy.log"))
+            proxy = Proxy(self.engine.url, self.flow_dir, self.out / "logs" / "proxy.log")
+            self.proxy = self.stack.enter_context(proxy)
         self.console.print(f"  proxy at {self.proxy.url}, flow files in {self.flow_dir}")
 
-    def run_episodes(self, n_tasks: int | None = None, attempts: int | None = None, name: str = "episodes") -> list[Any]:
+    def run_episodes(self, n_tasks: int | None = None, attempts: int | None = None,
+                     name: str = "episodes") -> list[Any]:
         """The example agent through the proxy; the verifier posts each reward to the proxy."""
         from openforge.examples.tasks import TASKS
         from openforge.examples.tool_agent import run_batch
@@ -179,7 +181,8 @@ class Demo:
             tokenizer = load_gguf_tokenizer(self.gguf)  # with the chat template the engine rendered prompts with
             self.result.reconstruct = reconstruct([self.flow_dir], self.result.db, tokenizer, run="demo")
         if not self.result.reconstruct.samples:
-            raise DemoError(f"reconstruct built no samples from {self.flow_dir}: {dict(self.result.reconstruct.skipped)}")
+            raise DemoError(f"reconstruct built no samples from {self.flow_dir}: "
+                            f"{dict(self.result.reconstruct.skipped)}")
 
     def prepare_model(self) -> None:
         from openforge.models import hf_dir
@@ -284,9 +287,11 @@ class Demo:
         s = r.reconstruct
         table = Table(title="OpenForge demo", show_header=False)
         table.add_row("episodes", f"{len(r.episodes)} ({self.cfg.tasks} tasks x {self.cfg.attempts} attempts), "
-                      f"{sum(e.n_calls for e in r.episodes)} LLM calls, {sum(e.error is not None for e in r.episodes)} failed")
+                      f"{sum(e.n_calls for e in r.episodes)} LLM calls, "
+                      f"{sum(e.error is not None for e in r.episodes)} failed")
         if rewards:
-            table.add_row("rewards", f"mean {sum(rewards) / len(rewards):.3f}, min {min(rewards):.2f}, max {max(rewards):.2f}")
+            table.add_row("rewards", f"mean {sum(rewards) / len(rewards):.3f}, min {min(rewards):.2f}, "
+                          f"max {max(rewards):.2f}")
         if s is not None:
             table.add_row("reconstructed", f"{s.calls} calls, {s.episodes} episodes, {s.samples} samples, "
                           f"{s.tokens} tokens ({s.trainable_tokens} trainable)")
@@ -300,8 +305,10 @@ class Demo:
         if r.final_episode is not None:
             e = r.final_episode
             table.add_row("new policy", f"{e.task.id}: {e.n_calls} call(s), reward {e.reward}, answer {e.final!r}")
-        table.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in r.timings.items()) + f" (total {sum(r.timings.values()):.0f}s)")
-        table.add_row("files", f"flows {self.flow_dir}\nDuckDB {r.db}\ncheckpoint {r.checkpoint}\nGGUF {r.exported_gguf}")
+        table.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in r.timings.items())
+                      + f" (total {sum(r.timings.values()):.0f}s)")
+        table.add_row("files", f"flows {self.flow_dir}\nDuckDB {r.db}\ncheckpoint {r.checkpoint}\n"
+                               f"GGUF {r.exported_gguf}")
         c.print(table)
         c.print("Next:\n" + "\n".join(f"  {line}" for line in self.next_commands()), highlight=False)
 

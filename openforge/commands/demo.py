@@ -29,7 +29,8 @@ def demo(
     step_tokens: int = typer.Option(4096, "--step-tokens", min=256, help="Tokens per optimizer step."),
     lr: float = typer.Option(1e-5, "--lr", help="Learning rate."),
     bf16: bool | None = typer.Option(None, "--bf16/--fp32", help="bf16 autocast for training on CPU. "
-                                        "Default: bf16 where the CPU has AVX512-BF16 or AMX, else fp32 (faster there)."),
+                                        "Default: bf16 where the CPU has AVX512-BF16 or AMX, else fp32 "
+                                        "(faster there)."),
     threads: int = typer.Option(2, "--threads", min=1, help="llama.cpp CPU threads (1 is faster on a busy machine)."),
 ) -> None:
     """Run the whole loop: engine, proxy, agent episodes, reconstruct, GRPO, GGUF export, updated engine."""

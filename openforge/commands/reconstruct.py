@@ -27,7 +27,8 @@ def reconstruct_command(
         ..., "--tokenizer", help="Local directory of the policy's Hugging Face tokenizer (with its chat template)."
     ),
     rewards: Path | None = typer.Option(
-        None, "--rewards", help="Rewards file, JSONL or .csv: episode_id, reward, optional task_id. Beats reward records."
+        None, "--rewards",
+        help="Rewards file, JSONL or .csv: episode_id, reward, optional task_id. Beats reward records."
     ),
     run: str | None = typer.Option(None, "--run", help="Free label stored with every call and sample of this run."),
     missing_reward: str | None = typer.Option(
@@ -37,10 +38,12 @@ def reconstruct_command(
         "Without it such episodes are left unbuilt (reported) until a reward or a policy arrives.",
     ),
     advantage: Advantage = typer.Option(  # type: ignore[valid-type]
-        "grpo", "--advantage", help="Per-task advantage: grpo ((r-mean)/std), grpo-no-std (r-mean), rloo (leave-one-out)."
+        "grpo", "--advantage",
+        help="Per-task advantage: grpo ((r-mean)/std), grpo-no-std (r-mean), rloo (leave-one-out)."
     ),
     group_by: GroupBy = typer.Option(  # type: ignore[valid-type]
-        "task", "--group-by", help="Advantage groups: `task`, or `task-toolchain` (each toolchain's episodes of a task apart)."
+        "task", "--group-by",
+        help="Advantage groups: `task`, or `task-toolchain` (each toolchain's episodes of a task apart)."
     ),
     train_roles: str = typer.Option(
         "agent", "--train-roles",
@@ -49,7 +52,8 @@ def reconstruct_command(
     ),
     keep_prompt_mismatch: bool = typer.Option(
         False, "--keep-prompt-mismatch",
-        help="Train calls whose rendered prompt differs in length from the engine's (template drift); left out by default.",
+        help="Train calls whose rendered prompt differs in length from the engine's (template drift); "
+        "left out by default.",
     ),
     chat_template: Path | None = typer.Option(
         None, "--chat-template",
@@ -118,9 +122,11 @@ def print_summary(summary) -> None:
     rows = [
         ("files", f"{summary.files} ({summary.files_ingested} read, {summary.files_unchanged} unchanged)"),
         ("records", summary.records),
-        ("calls", f"{summary.calls} ({summary.calls_engine_ids} engine ids, {summary.calls_mixed} engine completion ids, {summary.calls_retokenized} retokenized)"),
+        ("calls", f"{summary.calls} ({summary.calls_engine_ids} engine ids, {summary.calls_mixed} engine completion "
+                  f"ids, {summary.calls_retokenized} retokenized)"),
         ("calls by role", ", ".join(f"{k} {v}" for k, v in sorted(summary.calls_by_role.items())) or "none"),
-        ("prompt != engine's", f"{summary.calls_prompt_mismatch} calls (template drift; not trained unless --keep-prompt-mismatch)"),
+        ("prompt != engine's", f"{summary.calls_prompt_mismatch} calls (template drift; not trained unless "
+                               "--keep-prompt-mismatch)"),
         ("rewards", summary.rewards),
         ("episodes built", summary.episodes),
         ("samples", summary.samples),

@@ -41,10 +41,12 @@ def serve(
         "'engine': stand in for the engine behind `openforge proxy`, answering the engine's recorded "
         "responses (with token ids) to the proxy's upstream requests.",
     ),
-    fast: bool = typer.Option(False, "--fast", help="Send answers as fast as possible instead of at the recorded pace."),
+    fast: bool = typer.Option(False, "--fast",
+                              help="Send answers as fast as possible instead of at the recorded pace."),
     speed: float = typer.Option(1.0, help="Pace multiplier (2.0 = twice as fast as recorded); ignored with --fast."),
 ) -> None:
-    """Answer calls from a trace, matched by conversation; a call that matches nothing gets an error saying where it diverged."""
+    """Answer calls from a trace, matched by conversation; a call that matches nothing gets an error saying
+    where it diverged."""
     from openforge.replay import ReplayError, ReplayIndex, ReplayServer
 
     exchanges = _load(trace)
@@ -85,9 +87,11 @@ def drive(
                                           help="Bearer key for the engine (recorded keys are masked), as on `openforge "
                                                "proxy` and `preflight`. Default: $OPENFORGE_REPLAY_API_KEY."),
     timeout: float = typer.Option(300.0, help="Per-request timeout in seconds."),
-    json_out: Path | None = typer.Option(None, "--json", help="Also write the summary and per-call results as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json",
+                                         help="Also write the summary and per-call results as JSON here."),
 ) -> None:
-    """Re-send a trace's calls to an engine: throughput, TTFT and latency percentiles, divergence from the recorded outputs."""
+    """Re-send a trace's calls to an engine: throughput, TTFT and latency percentiles, divergence from the
+    recorded outputs."""
     import asyncio
     from dataclasses import asdict
 

@@ -42,8 +42,9 @@ def train(
     from openforge.trainer.data import DataError
 
     console = Console(stderr=True, soft_wrap=True)
-    named = dict(db=str(db), model=str(model), out=str(out), where=where, objective=objective and objective.value, lr=lr,
-                 steps=steps, step_tokens=step_tokens, row_tokens=row_tokens)
+    named = dict(db=str(db), model=str(model), out=str(out), where=where,
+                 objective=objective.value if objective else None, lr=lr, steps=steps, step_tokens=step_tokens,
+                 row_tokens=row_tokens)
     try:
         cfg = load_config(config, parse_sets(sets) | {k: v for k, v in named.items() if v is not None})
         from openforge.trainer.train import train as run  # torch + transformers: imported only when training
