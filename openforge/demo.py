@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -91,6 +92,11 @@ class Proxy:
             self.__exit__()
             raise
         return self
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The running mitmdump (None once stopped)."""
+        return self.child.proc if self.child else None
 
     def __exit__(self, *exc: object) -> None:
         child, self.child = self.child, None

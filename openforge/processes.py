@@ -1,7 +1,7 @@
 """Child processes (engines, mitmdump, benchmark servers): a free port, a child in its own process group
 with its output in a log file, waiting until it answers, and stopping its whole group.
 
-Standard library only: the Python 3.12 proxy test tier (no torch, no httpx guarantees) imports it.
+Standard library only: tests/conftest.py imports it in the Python 3.12 proxy test tier too.
 """
 
 from __future__ import annotations
@@ -88,15 +88,15 @@ class Child:
         self.name, self.log_path = name, log_path
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
+        log = open(log_path, "ab") if log_path is not None else None
         try:
             self.proc = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                start_new_session=True, preexec_fn=_then(die_with_parent, preexec),
+                command, stdin=subprocess.DEVNULL, stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                env=env, cwd=cwd, start_new_session=True, preexec_fn=_then(die_with_parent, preexec),
             )
         finally:
-            if log_path is not None:
-                out.close()  # type: ignore[union-attr]  # the child holds its own descriptor
+            if log is not None:
+                log.close()  # the child holds its own descriptor
 
     @property
     def pid(self) -> int:

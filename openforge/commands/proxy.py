@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from pathlib import Path
 
 import typer
 
-from openforge.addons.options import PROFILES, TRANSLATE
-from openforge.commands import choices, fail
+from openforge.commands import fail
 from openforge.processes import mitmdump_command
 
-Profile = choices("Profile", PROFILES)
-Translate = choices("Translate", TRANSLATE)
+
+class Profile(StrEnum):
+    """openforge.addons.options.PROFILES."""
+
+    auto = "auto"
+    vllm = "vllm"
+    sglang = "sglang"
+    llamacpp = "llamacpp"
+    generic = "generic"
+
+
+class Translate(StrEnum):
+    """openforge.addons.options.TRANSLATE."""
+
+    never = "never"
+    auto = "auto"
+    always = "always"
 
 
 def register(app: typer.Typer) -> None:
@@ -33,11 +48,11 @@ def proxy(
                                   help="Where flow files go."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for a sidecar)."),
     port: int = typer.Option(8080, "--port", "-p", min=0, max=65535, help="Port to listen on."),
-    profile: Profile | None = typer.Option(None, "--profile", show_default=False,  # type: ignore[valid-type]
+    profile: Profile | None = typer.Option(None, "--profile", show_default=False,
                                            help="Engine profile. Default: $OPENFORGE_ENGINE_PROFILE or auto."),
     models: str | None = typer.Option(None, "--models", help="Per-role model routing: inline JSON or a "
                                          ".json/.toml file (docs/addon.md). Default: $OPENFORGE_MODELS."),
-    translate: Translate | None = typer.Option(None, "--translate", show_default=False,  # type: ignore[valid-type]
+    translate: Translate | None = typer.Option(None, "--translate", show_default=False,
                                                help="Send Anthropic and Responses calls to the engine as Chat "
                                                     "Completions. Default: $OPENFORGE_TRANSLATE or auto."),
     quiet_flows: bool = typer.Option(True, "--quiet-flows/--mitm-flows", help="Hide mitmproxy's own per-flow "

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, choices, fail
+from openforge.commands import FAILED, fail
 
-# the values of openforge.reconstruct.rewards.ADVANTAGES and GROUPINGS (a test keeps them equal), spelled out
-# so that `openforge --help` does not import the reconstruct package
-Advantage = choices("Advantage", ("grpo", "grpo-no-std", "rloo"))
-GroupBy = choices("GroupBy", ("task", "task-toolchain"))
+
+class Advantage(StrEnum):
+    """openforge.reconstruct.rewards.ADVANTAGES (not imported: `openforge --help` would load the package)."""
+
+    grpo = "grpo"
+    grpo_no_std = "grpo-no-std"
+    rloo = "rloo"
+
+
+class GroupBy(StrEnum):
+    """openforge.reconstruct.rewards.GROUPINGS."""
+
+    task = "task"
+    task_toolchain = "task-toolchain"
 
 
 def register(app: typer.Typer) -> None:
@@ -37,12 +48,12 @@ def reconstruct_command(
         help="Episodes without a reward: `drop` them, `fill:<x>` with reward x, or `keep` them with a NULL reward. "
         "Without it such episodes are left unbuilt (reported) until a reward or a policy arrives.",
     ),
-    advantage: Advantage = typer.Option(  # type: ignore[valid-type]
-        "grpo", "--advantage",
+    advantage: Advantage = typer.Option(
+        Advantage.grpo, "--advantage",
         help="Per-task advantage: grpo ((r-mean)/std), grpo-no-std (r-mean), rloo (leave-one-out)."
     ),
-    group_by: GroupBy = typer.Option(  # type: ignore[valid-type]
-        "task", "--group-by",
+    group_by: GroupBy = typer.Option(
+        GroupBy.task, "--group-by",
         help="Advantage groups: `task`, or `task-toolchain` (each toolchain's episodes of a task apart)."
     ),
     train_roles: str = typer.Option(

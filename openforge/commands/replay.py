@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, choices, fail
+from openforge.commands import FAILED, fail
 
-Side = choices("Side", ("client", "engine"))  # openforge.replay.Side's values (a test keeps them equal)
+
+class Side(StrEnum):
+    """openforge.replay.Side."""
+
+    client = "client"
+    engine = "engine"
 
 replay_app = typer.Typer(
     help="Answer toolchains from a captured trace (serve), or re-send its calls to an engine (drive).",
@@ -35,8 +41,8 @@ def serve(
     trace: list[Path] = typer.Argument(..., help="Flow files or directories of a captured trace."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8400, help="Port to listen on (0: pick a free one and print it)."),
-    side: Side = typer.Option(  # type: ignore[valid-type]
-        "client",
+    side: Side = typer.Option(
+        Side.client,
         help="'client': stand in for proxy+engine, point the toolchain here and get what it received. "
         "'engine': stand in for the engine behind `openforge proxy`, answering the engine's recorded "
         "responses (with token ids) to the proxy's upstream requests.",
@@ -77,8 +83,8 @@ def drive(
     trace: list[Path] = typer.Argument(..., help="Flow files or directories of a captured trace."),
     upstream: str = typer.Option(..., help="Engine base URL (scheme://host:port); the recorded path is appended."),
     concurrency: int = typer.Option(8, min=1, help="Requests in flight at once."),
-    side: Side = typer.Option(  # type: ignore[valid-type]
-        "engine",
+    side: Side = typer.Option(
+        Side.engine,
         help="'engine': re-send the proxy's upstream requests (each call on its own). 'client': re-send what "
         "the toolchain sent, episode by episode in recorded order (e.g. through `openforge proxy`).",
     ),

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, choices, fail
-from openforge.trainer.config import OBJECTIVES
+from openforge.commands import FAILED, fail
 
-Objective = choices("Objective", OBJECTIVES)
+
+class Objective(StrEnum):
+    """openforge.trainer.config.OBJECTIVES."""
+
+    ppo = "ppo"
+    sft = "sft"
 
 
 def register(app: typer.Typer) -> None:
@@ -24,7 +29,7 @@ def train(
                                 help="TOML file with any TrainConfig field (flat or under \\[train])."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
     where: str = typer.Option(None, "--where", help="SQL filter on the samples table, e.g. \"reward > 0\"."),
-    objective: Objective | None = typer.Option(  # type: ignore[valid-type]
+    objective: Objective | None = typer.Option(
         None, "--objective", show_default=False, help="ppo (GRPO/PPO clipped surrogate) or sft."),
     lr: float = typer.Option(None, "--lr", help="Peak learning rate (AdamW, warmup then cosine)."),
     steps: int = typer.Option(None, "--steps", help="Optimizer steps; 0 = `epochs` passes over the selection."),
