@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,17 +30,17 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from openforge.engine import free_port  # noqa: E402
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS  # noqa: E402
 from openforge.models import hf_dir  # noqa: E402
+from openforge.processes import Child, free_port, mitmdump_command  # noqa: E402
 from openforge.vllm_engine import VllmEngine, reload_weights  # noqa: E402
 
-MITMDUMP = Path(sys.executable).with_name("mitmdump")
 MAX_TOKENS = 16
 
 
 def chat_body(seed: int) -> dict:
-    messages = [{"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": f"What is {seed} * 3?" + ASK}]
+    messages = [{"role": "system", "content": SYSTEM}, *FEW_SHOT,
+                {"role": "user", "content": f"What is {seed} * 3?" + ASK}]
     return {"model": "smollm2", "messages": messages, "tools": TOOLS, "max_tokens": MAX_TOKENS, "stream": True,
             "seed": seed}
 
@@ -70,25 +70,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_proxy(upstream: str, tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_proxy(upstream: str, tmp: Path) -> tuple[Child, str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
-    proc = subprocess.Popen(
-        [str(MITMDUMP), "--listen-host", "127.0.0.1", "-p", str(port), "-s", str(ROOT / "addons" / "openforge.py"),
-         "--set", f"confdir={tmp / 'mitm'}", "--set", f"openforge_upstream_url={upstream}",
-         "--set", f"openforge_flow_dir={tmp / 'flows'}"],
-        stdout=open(tmp / "mitmdump.log", "wb"), stderr=subprocess.STDOUT, env=env)
+    proxy = Child(mitmdump_command(port, sets=[f"confdir={tmp / 'mitm'}", f"openforge_upstream_url={upstream}",
+                                               f"openforge_flow_dir={tmp / 'flows'}"]),
+                  name="mitmdump", log_path=tmp / "mitmdump.log", env=env)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            httpx.get(f"{url}/openforge/v1/status", timeout=1)
-            return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("mitmdump did not start")
+    proxy.wait_ready(f"{url}/openforge/v1/status", 30)
+    return proxy, url
 
 
-def row(name: str, samples: list[tuple[float, float]], base: list[tuple[float, float]] | None, cpu: float | None) -> str:
+def row(name: str, samples: list[tuple[float, float]], base: list[tuple[float, float]] | None,
+        cpu: float | None) -> str:
     ttft = statistics.median(s[0] for s in samples)
     total = statistics.median(s[1] for s in samples)
     added = f"{(total - statistics.median(s[1] for s in base)) * 1000:+8.0f}" if base else " " * 8
@@ -108,8 +102,8 @@ def main() -> None:
     first_start = time.monotonic() - started
     proxy, proxy_url = start_proxy(engine.url, tmp)
     try:
-        results: dict[str, list[tuple[float, float]]] = {k: [] for k in ("chat direct", "chat proxy", "anthropic direct",
-                                                                         "anthropic proxy (translated)")}
+        names = ("chat direct", "chat proxy", "anthropic direct", "anthropic proxy (translated)")
+        results: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
         proxy_cpu = {"chat proxy": 0.0, "anthropic proxy (translated)": 0.0}
         with httpx.Client(timeout=600) as http:
             timed_stream(http, f"{engine.url}/v1/chat/completions", chat_body(0))  # warm the prefix cache
@@ -141,8 +135,7 @@ def main() -> None:
         print(f"\nnew weights: reload in place {reload_s:.1f} s, restart {restart_s:.1f} s "
               f"(first start of this run {first_start:.0f} s)")
     finally:
-        proxy.terminate()
-        proxy.wait(15)
+        proxy.stop(signal.SIGTERM, 15)
         engine.stop()
 
 

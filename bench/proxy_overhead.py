@@ -53,8 +53,8 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MITMDUMP = Path(sys.executable).with_name("mitmdump")
-ADDON = ROOT / "addons" / "openforge.py"
+from openforge.processes import ADDON, Child, free_port, listens, mitmdump_command  # noqa: E402
+
 MODEL = "scripted-model"
 MESSAGES = [{"role": "user", "content": "Please list the files in the current working directory now"}]
 # An agent-sized request: a ~28 KB conversation (system prompt, tool turns; a few non-ASCII characters, as
@@ -88,25 +88,6 @@ def _on_proxy_cpus() -> None:
 
 
 # -- processes -------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode} before listening")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"{what} did not listen on {port} within {timeout:.0f} s")
-
-
 def serve_engine(chunk_delay: float) -> None:
     """Child-process mode: run the scripted engine until stdin closes."""
     from tests.support.scripted_engine import ScriptedEngine
@@ -156,18 +137,13 @@ class Path_:
 
     name: str
     url: str
-    proc: subprocess.Popen | None = None
+    proc: Child | None = None
     flow_dir: Path | None = None
     extra_body: dict = field(default_factory=dict)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            self.proc.stop(signal.SIGTERM, 15)
 
 
 def start_mitmdump(engine: str, tmp: Path, addon: Path | None, name: str | None = None,
@@ -176,21 +152,18 @@ def start_mitmdump(engine: str, tmp: Path, addon: Path | None, name: str | None 
     port = free_port()
     name = name or ("mitmdump+addon" if addon else "mitmdump")
     tmp.mkdir(parents=True, exist_ok=True)
-    args = [str(MITMDUMP), "--listen-host", "127.0.0.1", "-p", str(port), "--mode", f"reverse:{engine}",
-            "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", f"confdir={tmp / 'mitmconf'}"]
+    sets = ["connection_strategy=lazy", "flow_detail=0", f"confdir={tmp / 'mitmconf'}"]
     flow_dir = None
     if not addon:
         script = tmp / "hook.py"
         script.write_text(hook)
-        args += ["-s", str(script)]
     else:
-        flow_dir = tmp / "flows"
-        args += ["-s", str(addon), "--set", f"openforge_upstream_url={engine}",
-                 "--set", f"openforge_flow_dir={flow_dir}"]
+        script, flow_dir = addon, tmp / "flows"
+        sets += [f"openforge_upstream_url={engine}", f"openforge_flow_dir={flow_dir}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
-    log = open(tmp / f"{name}.log", "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_on_proxy_cpus)
-    wait_port(port, proc, name)
+    proc = Child(mitmdump_command(port, script=script, mode=f"reverse:{engine}", sets=sets), name=name,
+                 log_path=tmp / f"{name}.log", env=env, preexec=_on_proxy_cpus)
+    proc.wait_ready(f"http://127.0.0.1:{port}", 60, probe=listens)
     return Path_(name, f"http://127.0.0.1:{port}", proc, flow_dir)
 
 
@@ -208,10 +181,9 @@ def start_litellm(binary: str, engine: str, tmp: Path) -> Path_:
     config = tmp / "litellm.yaml"
     config.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
                       f"      model: openai/{MODEL}\n      api_base: {engine}/v1\n      api_key: none\n")
-    log = open(tmp / "litellm.log", "wb")
-    proc = subprocess.Popen([binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_on_proxy_cpus)
-    wait_port(port, proc, "litellm", timeout=120)
+    proc = Child([binary, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)], name="litellm",
+                 log_path=tmp / "litellm.log", preexec=_on_proxy_cpus)
+    proc.wait_ready(f"http://127.0.0.1:{port}", 120, probe=listens)
     return Path_("litellm", f"http://127.0.0.1:{port}", proc)
 
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from openforge.engine import EmbeddedEngine, die_with_parent, free_port
+from openforge.engine import EmbeddedEngine
+from openforge.processes import Child, free_port, listens, mitmdump_command
 
 ROOT = Path(__file__).resolve().parent.parent
 RL_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
@@ -75,45 +75,33 @@ class Proxy:
     def __init__(self, upstream: str, flow_dir: Path, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        mitmdump = Path(sys.executable).parent / "mitmdump"
-        self.command = [
-            str(mitmdump if mitmdump.exists() else "mitmdump"), "-s", str(ROOT / "addons" / "openforge.py"),
-            "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1", "--listen-port", str(self.port),
-            "--set", "connection_strategy=lazy", "--set", "flow_detail=0", "--set", f"openforge_upstream_url={upstream}",
-            "--set", f"openforge_flow_dir={flow_dir}", "--set", "openforge_engine_profile=llamacpp",
-            "--set", "openforge_models=" + json.dumps({"agent": {"sampling": RL_SAMPLING}}),
-            "--set", f"confdir={flow_dir.parent / 'mitmproxy'}",
-        ]  # fmt: skip
+        self.command = mitmdump_command(self.port, mode=f"reverse:{upstream}", sets=[
+            "connection_strategy=lazy", "flow_detail=0", f"openforge_upstream_url={upstream}",
+            f"openforge_flow_dir={flow_dir}", "openforge_engine_profile=llamacpp",
+            "openforge_models=" + json.dumps({"agent": {"sampling": RL_SAMPLING}}),
+            f"confdir={flow_dir.parent / 'mitmproxy'}",
+        ])
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
 
     def __enter__(self) -> Proxy:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     start_new_session=True, preexec_fn=die_with_parent)
-        log.close()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mitmdump exited with code {self.proc.returncode}; see {self.log_path}")
-            try:
-                httpx.get(f"{self.url}/openforge/v1/health", timeout=1.0)
-                return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        self.__exit__()
-        raise RuntimeError(f"mitmdump did not listen on {self.url} within 60 s; see {self.log_path}")
+        self.child = Child(self.command, name="mitmdump", log_path=self.log_path)
+        try:
+            self.child.wait_ready(self.url, 60, probe=listens)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The running mitmdump (None once stopped)."""
+        return self.child.proc if self.child else None
 
     def __exit__(self, *exc: object) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        child, self.child = self.child, None
+        if child is not None:
+            child.stop(signal.SIGINT, 15)
 
 
 class Demo:
@@ -161,10 +149,12 @@ class Demo:
     def start_proxy(self) -> None:
         assert self.engine is not None
         with self.stage("proxy", "start mitmdump -s addons/openforge.py"):
-            self.proxy = self.stack.enter_context(Proxy(self.engine.url, self.flow_dir, self.out / "logs" / "proxy.log"))
+            proxy = Proxy(self.engine.url, self.flow_dir, self.out / "logs" / "proxy.log")
+            self.proxy = self.stack.enter_context(proxy)
         self.console.print(f"  proxy at {self.proxy.url}, flow files in {self.flow_dir}")
 
-    def run_episodes(self, n_tasks: int | None = None, attempts: int | None = None, name: str = "episodes") -> list[Any]:
+    def run_episodes(self, n_tasks: int | None = None, attempts: int | None = None,
+                     name: str = "episodes") -> list[Any]:
         """The example agent through the proxy; the verifier posts each reward to the proxy."""
         from openforge.examples.tasks import TASKS
         from openforge.examples.tool_agent import run_batch
@@ -190,14 +180,15 @@ class Demo:
         return episodes
 
     def reconstruct(self) -> None:
-        from openforge.models import load_tokenizer
+        from openforge.models import load_gguf_tokenizer
         from openforge.reconstruct import reconstruct
 
         with self.stage("reconstruct", "reconstruct flow files into DuckDB"):
-            tokenizer = load_tokenizer(self.gguf)  # with the chat template the engine rendered prompts with
+            tokenizer = load_gguf_tokenizer(self.gguf)  # with the chat template the engine rendered prompts with
             self.result.reconstruct = reconstruct([self.flow_dir], self.result.db, tokenizer, run="demo")
         if not self.result.reconstruct.samples:
-            raise DemoError(f"reconstruct built no samples from {self.flow_dir}: {dict(self.result.reconstruct.skipped)}")
+            raise DemoError(f"reconstruct built no samples from {self.flow_dir}: "
+                            f"{dict(self.result.reconstruct.skipped)}")
 
     def prepare_model(self) -> None:
         from openforge.models import hf_dir
@@ -302,9 +293,11 @@ class Demo:
         s = r.reconstruct
         table = Table(title="OpenForge demo", show_header=False)
         table.add_row("episodes", f"{len(r.episodes)} ({self.cfg.tasks} tasks x {self.cfg.attempts} attempts), "
-                      f"{sum(e.n_calls for e in r.episodes)} LLM calls, {sum(e.error is not None for e in r.episodes)} failed")
+                      f"{sum(e.n_calls for e in r.episodes)} LLM calls, "
+                      f"{sum(e.error is not None for e in r.episodes)} failed")
         if rewards:
-            table.add_row("rewards", f"mean {sum(rewards) / len(rewards):.3f}, min {min(rewards):.2f}, max {max(rewards):.2f}")
+            table.add_row("rewards", f"mean {sum(rewards) / len(rewards):.3f}, min {min(rewards):.2f}, "
+                          f"max {max(rewards):.2f}")
         if s is not None:
             table.add_row("reconstructed", f"{s.calls} calls, {s.episodes} episodes, {s.samples} samples, "
                           f"{s.tokens} tokens ({s.trainable_tokens} trainable)")
@@ -318,8 +311,10 @@ class Demo:
         if r.final_episode is not None:
             e = r.final_episode
             table.add_row("new policy", f"{e.task.id}: {e.n_calls} call(s), reward {e.reward}, answer {e.final!r}")
-        table.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in r.timings.items()) + f" (total {sum(r.timings.values()):.0f}s)")
-        table.add_row("files", f"flows {self.flow_dir}\nDuckDB {r.db}\ncheckpoint {r.checkpoint}\nGGUF {r.exported_gguf}")
+        table.add_row("time", ", ".join(f"{k} {v:.1f}s" for k, v in r.timings.items())
+                      + f" (total {sum(r.timings.values()):.0f}s)")
+        table.add_row("files", f"flows {self.flow_dir}\nDuckDB {r.db}\ncheckpoint {r.checkpoint}\n"
+                               f"GGUF {r.exported_gguf}")
         c.print(table)
         c.print("Next:\n" + "\n".join(f"  {line}" for line in self.next_commands()), highlight=False)
 

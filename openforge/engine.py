@@ -10,17 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from types import TracebackType
 
-import httpx
-
 from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf
+from openforge.processes import Child, ChildError, free_port
 
 TEMPLATE_CHOICES = ("chatml-tools", "gguf")
 
@@ -39,23 +36,6 @@ def resolve_chat_template(choice: str) -> str | None:
     if not path.is_file():
         raise EngineError(f"chat template {choice!r} is neither {' nor '.join(TEMPLATE_CHOICES)} nor a file")
     return path.read_text()
-
-
-def die_with_parent() -> None:
-    """`preexec_fn` for child processes: on Linux the kernel sends SIGTERM to the child when its parent
-    dies, even by SIGKILL, so an engine or proxy never outlives the program that started it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    """An ephemeral port on 127.0.0.1 that was free a moment ago (the child binds it right after)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat_template: str | None) -> None:
@@ -87,8 +67,8 @@ def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat
 class EmbeddedEngine:
     """A llama.cpp server child process on 127.0.0.1; `with EmbeddedEngine() as eng: eng.url`.
 
-    The child runs in its own process group so a Ctrl-C in a terminal reaches only the caller, which then
-    stops the child deliberately (SIGTERM, then SIGKILL after `stop_timeout`).
+    The child runs in its own process group (`openforge.processes.Child`) so a Ctrl-C in a terminal reaches
+    only the caller, which then stops the child deliberately (SIGTERM, then SIGKILL after `stop_timeout`).
     """
 
     def __init__(
@@ -113,8 +93,7 @@ class EmbeddedEngine:
         self.chat_template = chat_template
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log_file = None
+        self.child: Child | None = None
 
     @property
     def url(self) -> str:
@@ -129,53 +108,30 @@ class EmbeddedEngine:
 
     def start(self) -> EmbeddedEngine:
         """Start the child and wait until /health answers 200."""
-        if self.log_path:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(self.log_path, "ab")
-        out = self._log_file or subprocess.DEVNULL
         # the child imports this very package, installed or not
         root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, env=env,
-            preexec_fn=die_with_parent,
-        )
+        self.child = Child(self.command(), name=f"engine for {self.gguf}", log_path=self.log_path, env=env)
         try:
-            self._wait_ready()
+            self.child.wait_ready(f"{self.url}/health", self.ready_timeout)
+        except ChildError as e:
+            self.stop()
+            raise EngineError(str(e)) from None
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        assert self.proc is not None
-        while time.monotonic() < deadline:
-            code = self.proc.poll()
-            if code is not None:
-                where = f" (log: {self.log_path})" if self.log_path else ""
-                raise EngineError(f"engine exited with code {code} while loading {self.gguf}{where}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise EngineError(f"engine not ready after {self.ready_timeout:.0f} s")
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The running child process (None once stopped)."""
+        return self.child.proc if self.child else None
 
     def stop(self) -> None:
         """SIGTERM the child, SIGKILL it if it lingers; safe to call twice."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._log_file:
-            self._log_file.close()
-            self._log_file = None
+        child, self.child = self.child, None
+        if child is not None:
+            child.stop(signal.SIGTERM, self.stop_timeout)
 
     def __enter__(self) -> EmbeddedEngine:
         return self.start()

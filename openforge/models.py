@@ -145,7 +145,7 @@ def gguf_chat_template(gguf: Path | str) -> str | None:
     return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
-def load_tokenizer(gguf: Path | str | None = None) -> PreTrainedTokenizerBase:
+def load_gguf_tokenizer(gguf: Path | str | None = None) -> PreTrainedTokenizerBase:
     """The GGUF's tokenizer (vocabulary, merges, special tokens) with the engine's chat template, through
     transformers; from the converted directory when there is one (a second instead of 10-30)."""
     from transformers import AutoTokenizer

@@ -2,8 +2,8 @@
 
 vLLM lives in its own environment (`.venv-vllm`): its pins would fight the main one's. The server is
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU wheel looks up
-package metadata named `vllm` and fails), started in its own process group because it spawns an engine
-core process: stopping signals the whole group, so no process outlives `stop()`.
+package metadata named `vllm` and fails), started in its own process group (`openforge.processes.Child`)
+because it spawns an engine core process: stopping signals the whole group, so no process outlives `stop()`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from types import TracebackType
 
 import httpx
 
-from openforge.engine import EngineError, die_with_parent, free_port
+from openforge.engine import EngineError
+from openforge.processes import Child, ChildError, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -76,7 +77,8 @@ def reload_weights(url: str, weights_dir: Path | str, timeout: float = 600.0) ->
         started = time.monotonic()
         _dev_post(http, "/pause?mode=wait")
         try:
-            _dev_post(http, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+            _dev_post(http, "/collective_rpc", reload)
             _dev_post(http, "/reset_prefix_cache")
         finally:
             _dev_post(http, "/resume")
@@ -126,8 +128,7 @@ class VllmEngine:
         self.threads, self.dev_mode = threads, dev_mode
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log_file = None
+        self.child: Child | None = None
 
     @property
     def url(self) -> str:
@@ -158,68 +159,35 @@ class VllmEngine:
     def start(self, progress: Progress | None = None, every: float = 15.0) -> VllmEngine:
         """Start the server and wait until /health answers 200; `progress(elapsed, last log line)` every
         `every` seconds meanwhile."""
-        if self.log_path:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(self.log_path, "ab")
-        out = self._log_file or subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-            env=self.env(), preexec_fn=die_with_parent,
-        )
+        self.child = Child(self.command(), name=f"vLLM serving {self.model_dir}", log_path=self.log_path,
+                           env=self.env())
+        report = (lambda t, _: progress(t, self.last_log_line())) if progress else None
         try:
-            self._wait_ready(progress, every)
+            self.child.wait_ready(f"{self.url}/health", self.ready_timeout, progress=report, every=every, interval=1.0)
+        except ChildError as e:
+            self.stop()
+            raise EngineError(str(e)) from None
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self, progress: Progress | None, every: float) -> None:
-        assert self.proc is not None
-        started = time.monotonic()
-        next_report = started + every
-        with httpx.Client(timeout=1.0) as http:  # one client: a new one per poll costs CPU the compile needs
-            while (now := time.monotonic()) < started + self.ready_timeout:
-                code = self.proc.poll()
-                if code is not None:
-                    where = f" (log: {self.log_path})" if self.log_path else ""
-                    raise EngineError(f"vLLM exited with code {code} while loading {self.model_dir}{where}: "
-                                      f"{self.last_log_line()}")
-                try:
-                    if http.get(f"{self.url}/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if progress and now >= next_report:
-                    progress(now - started, self.last_log_line())
-                    next_report = now + every
-                time.sleep(1.0)
-        raise EngineError(f"vLLM not ready after {self.ready_timeout:.0f} s: {self.last_log_line()}")
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The server process (None once stopped)."""
+        return self.child.proc if self.child else None
 
     def last_log_line(self) -> str:
         """The message of the server log's last line, without vLLM's process / level / time / source
         prefix ('' without a log): what the server is doing while it loads."""
-        if not self.log_path or not self.log_path.is_file():
-            return ""
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
-        return _LOG_PREFIX.sub("", lines[-1])[:160] if lines else ""
+        line = self.child.last_log_line() if self.child else ""
+        return _LOG_PREFIX.sub("", line)[:160]
 
     def stop(self) -> None:
         """SIGTERM the server's process group (server and engine core), SIGKILL what lingers; safe twice."""
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            _wait_group_gone(proc.pid, self.stop_timeout)
-            _signal_group(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if self._log_file:
-            self._log_file.close()
-            self._log_file = None
+        child, self.child = self.child, None
+        if child is not None:
+            child.stop(signal.SIGTERM, self.stop_timeout)
 
     def __enter__(self) -> VllmEngine:
         return self.start()
@@ -228,31 +196,6 @@ class VllmEngine:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` is still running (zombies, already dead, do not count)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def _wait_group_gone(pgid: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
 
 
 def serve_cli(gguf: Path | None, port: int, max_model_len: int, log: Path | None,

@@ -9,10 +9,7 @@ import importlib.util
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +17,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ADDON = ROOT / "addons" / "openforge.py"
-MITMDUMP = Path(sys.executable).with_name("mitmdump")
-if str(ROOT) not in sys.path:  # `tests.support.*` and `addons.*` importable however pytest was started
+if str(ROOT) not in sys.path:  # `tests.support.*` and `openforge.*` importable however pytest was started
     sys.path.insert(0, str(ROOT))
+from openforge.processes import Child, ChildError, free_port, listens, mitmdump_command  # noqa: E402
+
 # The light proxy-only environment (Python 3.12 + mitmproxy 12) has no torch / duckdb / typer.
 LIGHT_ENV = importlib.util.find_spec("torch") is None or importlib.util.find_spec("typer") is None
+# Fixture modules every test file may use by name (qwen_tok, retok, tiny_qwen_dir, one_torch_thread); they
+# import the training stack, so the light environment, whose addon tests use none of them, goes without.
+pytest_plugins = [] if LIGHT_ENV else ["tests.support.reconstruct_fixtures", "tests.support.trainer_samples"]
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -37,12 +37,6 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Proxy:
     """One mitmdump process; `url` is its base URL, `flow_dir` its flow directory, `log()` its output."""
 
@@ -51,33 +45,24 @@ class Proxy:
         self.port = free_port()
         self.flow_dir = flow_dir
         self.log_path = flow_dir.parent / f"mitmdump-{self.port}.log"
-        args = [str(MITMDUMP), "--listen-host", "127.0.0.1", "-p", str(self.port), "-s", str(ADDON),
-                "--set", f"confdir={confdir or flow_dir.parent / 'mitmconf'}",
-                "--set", f"openforge_upstream_url={upstream}", "--set", f"openforge_flow_dir={flow_dir}"]
-        if mode:
-            args += ["--mode", mode]
-        for s in sets:
-            args += ["--set", s]
+        command = mitmdump_command(self.port, mode=mode, sets=[
+            f"confdir={confdir or flow_dir.parent / 'mitmconf'}", f"openforge_upstream_url={upstream}",
+            f"openforge_flow_dir={flow_dir}", *sets])
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
         full_env.update(env or {})
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.child = Child(command, name="mitmdump", log_path=self.log_path, env=full_env)
+        self.proc = self.child.proc
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_listening(self, timeout: float = 30.0) -> Proxy:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mitmdump exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"mitmdump did not listen within {timeout}s:\n{self.log()}")
+        try:
+            self.child.wait_ready(self.url, timeout, probe=listens)
+        except ChildError as e:
+            raise RuntimeError(f"{e}\n{self.log()}") from None
+        return self
 
     def status(self) -> dict:
         """The addon's status answer; once it is back, every exchange answered before is in the flow file."""
@@ -85,20 +70,10 @@ class Proxy:
             return json.load(r)
 
     def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        return self.child.stop(sig, timeout)
 
     def flow_files(self) -> list[Path]:
         return sorted(self.flow_dir.glob("*.flows"))

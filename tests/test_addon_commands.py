@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from openforge.addons.flowfile import FlowWriter
 from openforge.commands import flows
-from tests.conftest import ROOT, free_port
+from openforge.processes import free_port
+from tests.conftest import ROOT
 from tests.support.scripted_engine import ScriptedEngine
 
 RUN_PROXY = ("import sys, typer\nfrom openforge.commands import proxy\napp = typer.Typer()\n"

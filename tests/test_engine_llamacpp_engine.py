@@ -13,7 +13,7 @@ import pytest
 
 from openforge.engine import EmbeddedEngine, EngineError
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
-from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf, hf_dir, load_tokenizer
+from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf, hf_dir, load_gguf_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def tokenizer():
 def test_engine_llamacpp_tokenizer_carries_the_served_template(tokenizer) -> None:
     """The GGUF's own template ignores `tools`; the engine serves the ChatML tool template, and so must the
     tokenizer reconstruct renders prompts with, or a call with tools loses its tools block."""
-    assert tokenizer.chat_template == CHATML_TOOLS_TEMPLATE == load_tokenizer().chat_template
+    assert tokenizer.chat_template == CHATML_TOOLS_TEMPLATE == load_gguf_tokenizer().chat_template
 
 
 def test_engine_llamacpp_logprobs_carry_token_ids(engine: EmbeddedEngine) -> None:

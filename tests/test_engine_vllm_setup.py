@@ -47,7 +47,7 @@ def test_vllm_bad_model_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--backend", "sglang"], "--backend must be llamacpp or vllm"),
+    (["--backend", "sglang"], "'sglang' is not one of"),
     (["--backend", "vllm", "--gguf", "/nonexistent/model.gguf"], "error: "),
 ])
 def test_vllm_cli_bad_input_is_one_line(args: list[str], message: str) -> None:

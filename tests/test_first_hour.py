@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 import typer
 
 from openforge.cli import app
+from openforge.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -134,12 +134,6 @@ def test_demo_next_lines_run_as_printed(tmp_path: Path) -> None:
     assert f"OPENFORGE_DB={demo.result.db.resolve()}" in lines[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_readme_quick_start_and_is_it_working_blocks_run(tmp_path: Path) -> None:
     """The quick start (minus `make setup`) and the "is it working" block, as one script, on free ports."""
@@ -188,3 +182,57 @@ def test_demo_proxy_log_has_the_call_lines(tmp_path: Path) -> None:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         assert httpx.post(f"{proxy.url}/e/ep-1/v1/chat/completions", json=body, timeout=30).status_code == 200
     assert re.search(r"POST /v1/chat/completions chat .*episode=ep-1 .* 200 ", (tmp_path / "proxy.log").read_text())
+
+
+BAD_INPUTS = [  # (arguments, what stderr must say); every one is bad usage or bad input: exit 2
+    (["engine", "--backend", "sglang"], "'sglang' is not one of"),
+    (["proxy", "--upstream", "http://127.0.0.1:9", "--profile", "tgi"], "'tgi' is not one of"),
+    (["proxy", "--upstream", "http://127.0.0.1:9", "--translate", "sometimes"], "'sometimes' is not one of"),
+    (["reconstruct", "nowhere", "--db", "x.duckdb", "--tokenizer", ".", "--advantage", "ppo"], "'ppo' is not one of"),
+    (["reconstruct", "nowhere", "--db", "x.duckdb", "--tokenizer", "."], "error: No such flow file or directory"),
+    (["train", "--db", "x.duckdb", "--model", ".", "--out", "o", "--objective", "dpo"], "'dpo' is not one of"),
+    (["replay", "drive", "nowhere", "--upstream", "http://127.0.0.1:9", "--side", "proxy"], "'proxy' is not one of"),
+    (["stats", "--db", "none.duckdb"], "error: No database at none.duckdb"),
+    (["flows", "show", "nowhere"], "error: no such flow file"),
+    (["demo", "--gguf", "none.gguf"], "error: GGUF file not found"),
+    (["proxy"], "error: no engine URL"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_input_is_one_error_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    """The real command: typer's own refusal for a choice it does not offer, `error: ...` for the rest."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**env, "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr and "Traceback" not in done.stdout + done.stderr, done.stderr
+    if message.startswith("error: "):
+        assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) <= 2, done.stderr
+
+
+def test_choice_options_list_their_choices_in_help() -> None:
+    from typer.testing import CliRunner
+
+    for args, choices in ((["engine"], "llamacpp|vllm"), (["proxy"], "auto|vllm|sglang|llamacpp|generic"),
+                          (["proxy"], "never|auto|always"), (["reconstruct"], "grpo|grpo-no-std|rloo"),
+                          (["reconstruct"], "task|task-toolchain"), (["train"], "ppo|sft"),
+                          (["replay", "serve"], "client|engine"), (["replay", "drive"], "client|engine")):
+        shown = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "300"}).output
+        assert choices in shown, f"openforge {' '.join(args)} --help does not list {choices}"
+
+
+def test_choice_enums_offer_what_their_modules_accept() -> None:
+    from typing import get_args
+
+    from openforge import replay
+    from openforge.addons.options import PROFILES, TRANSLATE
+    from openforge.commands import engine, proxy, reconstruct, train
+    from openforge.commands import replay as replay_command
+    from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
+    from openforge.trainer.config import OBJECTIVES
+
+    assert tuple(proxy.Profile) == PROFILES and tuple(proxy.Translate) == TRANSLATE
+    assert tuple(reconstruct.Advantage) == ADVANTAGES and tuple(reconstruct.GroupBy) == GROUPINGS
+    assert tuple(replay_command.Side) == get_args(replay.Side) and tuple(train.Objective) == OBJECTIVES
+    assert tuple(engine.Backend) == ("llamacpp", "vllm")

@@ -10,7 +10,6 @@ import openai
 import pytest
 
 from openforge.reconstruct import reconstruct
-from tests.support.reconstruct_fixtures import qwen_tok, retok  # noqa: F401 - session fixtures
 from tests.support.reconstruct_flows import BASH, db_rows, trainable_segments
 from tests.support.scripted_engine import ScriptedEngine
 

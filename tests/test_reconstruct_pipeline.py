@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from openforge.reconstruct import reconstruct
-from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows, trainable_segments
 
 

@@ -16,7 +16,6 @@ from openforge.reconstruct import Summary, protocols, reconstruct, store
 from openforge.reconstruct.ingest import Ingest
 from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
 from openforge.reconstruct.protocols import RawIds
-from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import FlowFactory, db_rows
 
 SAMPLES = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"

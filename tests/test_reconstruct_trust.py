@@ -11,7 +11,6 @@ import pytest
 
 from openforge.reconstruct import reconstruct
 from openforge.reconstruct.stats import collect
-from tests.support.reconstruct_fixtures import retok  # noqa: F401 - session fixture
 from tests.support.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
 
 IM_END = 151645  # Qwen3 <|im_end|>

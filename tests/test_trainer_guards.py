@@ -18,13 +18,9 @@ from openforge.trainer import checkpoint
 from openforge.trainer.config import ConfigError, load_config
 from openforge.trainer.data import DataError, Position
 from openforge.trainer.train import train
-from tests.support.trainer_samples import (  # noqa: F401  (fixtures)
-    make_samples,
-    one_torch_thread,
-    qwen_tokenizer,
-    tiny_qwen_dir,
-    write_samples,
-)
+from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,11 @@ import torch
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
 from openforge.trainer.loss import logit_positions, ppo_loss, target_logprobs, targets
-from openforge.trainer.packing import coefficients, make_row, plan_rows, shard
+from openforge.trainer.packing import coefficients, make_row, plan_rows, rank_share
 from openforge.trainer.train import forward_loss, old_logprobs
-from tests.support.trainer_samples import one_torch_thread, tiny_model  # noqa: F401  (fixture)
+from tests.support.trainer_samples import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 256
 
@@ -212,10 +214,10 @@ def test_aggregation_coefficients():
 def test_rank_shares_are_disjoint_deterministic_and_balanced():
     rng = np.random.default_rng(5)
     batch = [sample(i, int(n), rng) for i, n in enumerate(rng.integers(5, 300, 40))]
-    shares = [shard(batch, r, 3) for r in range(3)]
+    shares = [rank_share(batch, r, 3) for r in range(3)]
     ids = [s.sample_id for share in shares for s in share]
     assert sorted(ids) == sorted(s.sample_id for s in batch)
-    assert [s.sample_id for s in shard(list(reversed(batch)), 1, 3)] == [s.sample_id for s in shares[1]]
+    assert [s.sample_id for s in rank_share(list(reversed(batch)), 1, 3)] == [s.sample_id for s in shares[1]]
     loads = [sum(len(s) for s in share) for share in shares]
     assert max(loads) - min(loads) <= 300
 

@@ -7,11 +7,14 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from openforge.reconstruct import reconstruct
 from openforge.trainer.config import load_config
 from openforge.trainer.train import train
 from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer
-from tests.support.trainer_samples import one_torch_thread, tiny_qwen_dir  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_ppo_steps_on_reconstructed_samples(tmp_path: Path, tiny_qwen_dir: Path) -> None:

@@ -22,14 +22,9 @@ from openforge.commands import train as train_command
 from openforge.trainer.config import load_config
 from openforge.trainer.data import DataError
 from openforge.trainer.train import lr_factor, train
-from tests.support.trainer_samples import (  # noqa: F401  (fixtures)
-    make_samples,
-    one_torch_thread,
-    qwen_tokenizer,
-    tiny_qwen_dir,
-    train_on_ranks,
-    write_samples,
-)
+from tests.support.trainer_samples import make_samples, qwen_tokenizer, train_on_ranks, write_samples
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

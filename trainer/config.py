@@ -15,6 +15,9 @@ class ConfigError(ValueError):
     """A configuration value a user must fix (unknown key, wrong type, out of range)."""
 
 
+OBJECTIVES = ("ppo", "sft")  # `openforge train --objective` offers these
+
+
 @dataclass
 class TrainConfig:
     # --- where things are
@@ -60,7 +63,7 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self) -> TrainConfig:
-        if self.objective not in ("ppo", "sft"):
+        if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective must be 'ppo' or 'sft', not {self.objective!r}")
         if self.old_policy not in ("recompute", "engine"):
             raise ConfigError(f"old_policy must be 'recompute' or 'engine', not {self.old_policy!r}")

@@ -80,7 +80,7 @@ def check_vocab(model_path: str, sample_vocabs: list[tuple[int, str]]) -> int:
     return rows
 
 
-def shard(model: torch.nn.Module, device: torch.device) -> None:
+def shard_model(model: torch.nn.Module, device: torch.device) -> None:
     """FSDP2: each transformer block, then the root. bf16 compute on CUDA, fp32 gradient reduction."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()

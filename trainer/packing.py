@@ -54,7 +54,7 @@ def coefficients(batch: list[Sample], aggregation: str) -> dict[str, float]:
     return {s.sample_id: s.weight / (n[s.sample_id] * total_weight) for s in batch}
 
 
-def shard(batch: list[Sample], rank: int, world_size: int) -> list[Sample]:
+def rank_share(batch: list[Sample], rank: int, world_size: int) -> list[Sample]:
     """This rank's disjoint share: longest first, each to the rank with the fewest tokens so far."""
     load = [0] * world_size
     mine = []

@@ -22,9 +22,8 @@ from openforge.trainer import checkpoint
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
-from openforge.trainer.model import check_vocab, load_model, shard
-from openforge.trainer.packing import Row, coefficients, make_row, plan_rows
-from openforge.trainer.packing import shard as share_of
+from openforge.trainer.model import check_vocab, load_model, shard_model
+from openforge.trainer.packing import Row, coefficients, make_row, plan_rows, rank_share
 
 
 def logits_at(model: torch.nn.Module, row: Row, positions: torch.Tensor) -> torch.Tensor:
@@ -83,7 +82,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     if cfg.kl_coef > 0:
         ref = load_model(cfg.ref_model or cfg.model, device).eval().requires_grad_(False)
     if world_size > 1:
-        shard(model, device)
+        shard_model(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     total_steps = cfg.steps or sum(count_steps(source.lengths(e), cfg.step_tokens) for e in range(cfg.epochs))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
@@ -105,7 +104,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             # --- one optimizer step on one global batch
             t0 = time.perf_counter()
             coef = coefficients(batch, cfg.aggregation)
-            mine = plan_rows(share_of(batch, rank, world_size), cfg.row_tokens, cfg.packing)
+            mine = plan_rows(rank_share(batch, rank, world_size), cfg.row_tokens, cfg.packing)
             n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
             rows = [make_row(mine[i] if i < len(mine) else [], coef, cfg.packing).to(device) for i in range(n_rows)]
             old = [old_logprobs(model, row) if recompute else None for row in rows]  # before any update

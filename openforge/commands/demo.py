@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from openforge.commands import FAILED, fail
+
 
 def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
@@ -27,7 +29,8 @@ def demo(
     step_tokens: int = typer.Option(4096, "--step-tokens", min=256, help="Tokens per optimizer step."),
     lr: float = typer.Option(1e-5, "--lr", help="Learning rate."),
     bf16: bool | None = typer.Option(None, "--bf16/--fp32", help="bf16 autocast for training on CPU. "
-                                        "Default: bf16 where the CPU has AVX512-BF16 or AMX, else fp32 (faster there)."),
+                                        "Default: bf16 where the CPU has AVX512-BF16 or AMX, else fp32 "
+                                        "(faster there)."),
     threads: int = typer.Option(2, "--threads", min=1, help="llama.cpp CPU threads (1 is faster on a busy machine)."),
 ) -> None:
     """Run the whole loop: engine, proxy, agent episodes, reconstruct, GRPO, GGUF export, updated engine."""
@@ -36,24 +39,22 @@ def demo(
     from openforge.demo import Demo, DemoConfig, DemoError, clean_out
     from openforge.engine import EngineError
     from openforge.models import ModelNotFound
+    from openforge.processes import ChildError
 
     console = Console()
     cfg = DemoConfig(out=out, gguf=gguf, tasks=tasks, attempts=attempts, train_steps=steps,
                      step_tokens=step_tokens, lr=lr, bf16=bf16, threads=threads)
     if gguf is not None and not gguf.is_file():
-        typer.echo(f"error: GGUF file not found: {gguf}", err=True)
-        raise typer.Exit(2)
+        fail(f"GGUF file not found: {gguf}")
     clean_out(out)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the demo as Ctrl-C does: children first
     try:
         runner = Demo(cfg, console)
         runner.run()
     except (ModelNotFound, EngineError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    except DemoError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+        fail(str(e))
+    except (DemoError, ChildError) as e:
+        fail(str(e), code=FAILED)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: engine and proxy stopped; files written so far are complete.")
         raise typer.Exit(130) from None

@@ -5,9 +5,17 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
+from enum import StrEnum
 from pathlib import Path
 
 import typer
+
+from openforge.commands import FAILED, fail
+
+
+class Backend(StrEnum):
+    llamacpp = "llamacpp"
+    vllm = "vllm"
 
 
 def register(app: typer.Typer) -> None:
@@ -31,9 +39,10 @@ def engine(
                                              "Hugging Face directory (fp32 weights; the tokenizer with the chat "
                                              "template the engine renders prompts with) and exit. It is what "
                                              "`openforge reconstruct --tokenizer` and `openforge train --model` take."),
-    backend: str = typer.Option("llamacpp", "--backend", help="llamacpp (embedded, the default) or vllm (real "
-                                "vLLM's CPU build from `make setup-vllm`, serving the GGUF converted to a "
-                                "Hugging Face directory; uses --gguf, --port, --ctx, --log)."),
+    backend: Backend = typer.Option(
+        Backend.llamacpp, "--backend", help="llamacpp (embedded, the default) or vllm (real vLLM's CPU build from "
+        "`make setup-vllm`, serving the GGUF converted to a Hugging Face directory; uses --gguf, --port, --ctx, "
+        "--log)."),
 ) -> None:
     """Serve a GGUF (llama.cpp by default, or real vLLM) on 127.0.0.1 until Ctrl-C or SIGTERM."""
     from openforge.engine import EmbeddedEngine, EngineError
@@ -43,24 +52,18 @@ def engine(
         try:
             _export_hf(gguf, chat_template, export_hf)
         except (EngineError, ModelNotFound) as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+            fail(str(e))
         typer.echo(f"wrote {export_hf} (use it as --tokenizer for reconstruct and --model for train)")
         return
-    if backend == "vllm":
+    if backend is Backend.vllm:
         from openforge.vllm_engine import serve_cli
 
         raise typer.Exit(serve_cli(gguf, port=port, max_model_len=ctx, log=log, echo=typer.echo))
-    if backend != "llamacpp":
-        typer.echo(f"error: --backend must be llamacpp or vllm, not {backend!r}", err=True)
-        raise typer.Exit(2)
-
     try:
         eng = EmbeddedEngine(gguf, port=port, n_ctx=ctx, n_parallel=parallel, threads=threads,
                              chat_template=chat_template, log_path=log)
     except (EngineError, ModelNotFound) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -68,11 +71,9 @@ def engine(
             typer.echo(f"ready at {eng.url}  (model {eng.gguf.name}; OpenAI base URL {eng.url}/v1)")
             while not stop.wait(0.5):
                 if eng.proc is None or eng.proc.poll() is not None:
-                    typer.echo("error: the engine process exited", err=True)
-                    raise typer.Exit(1)
+                    fail("the engine process exited", code=FAILED)
     except EngineError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+        fail(str(e), code=FAILED)
     except KeyboardInterrupt:
         pass
     typer.echo("engine stopped")

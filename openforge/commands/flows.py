@@ -9,6 +9,8 @@ from urllib.parse import urlsplit
 
 import typer
 
+from openforge.commands import FAILED, fail
+
 flows_app = typer.Typer(help="Inspect flow files written by the proxy (docs/flow-format.md).",
                         no_args_is_help=True)
 
@@ -59,8 +61,7 @@ def show(
     paths = expand_paths(list(files))
     missing = [p for p in paths if not p.is_file()]
     if missing or not paths:
-        typer.echo(f"error: no such flow file: {missing[0] if missing else files[0]}", err=True)
-        raise typer.Exit(2)
+        fail(f"no such flow file: {missing[0] if missing else files[0]}")
     if not as_json:
         from rich.console import Console
         from rich.table import Table
@@ -99,7 +100,7 @@ def show(
             typer.echo(f"error: {path}: {ff.error}", err=True)
             bad = True
     if bad:
-        raise typer.Exit(1)
+        raise typer.Exit(FAILED)
 
 
 def _cell(value: Any, empty: str = "-") -> Any:

@@ -7,6 +7,8 @@ from contextlib import nullcontext
 
 import typer
 
+from openforge.commands import FAILED, fail
+
 
 def register(app: typer.Typer) -> None:
     app.command("preflight")(preflight)
@@ -42,8 +44,7 @@ def preflight(
         routes = parse_models(models)
         checker = Preflight(upstream, key, timeout)
     except (BadOption, PreflightError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     console = Console(highlight=False)
     with console.status(f"checking {checker.base} ...", spinner="dots") if not as_json else nullcontext():
         report = checker.run(list(model or []), routes)
@@ -57,5 +58,5 @@ def preflight(
         verdict = "[green]ready[/green]" if report.ok else "[red]not ready[/red]"
         console.print(f"  => {verdict}" + (f", engine profile: {report.profile}" if report.profile else ""))
     if not report.ok:
-        raise typer.Exit(1)
+        raise typer.Exit(FAILED)
 

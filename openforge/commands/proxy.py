@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import os
-import shutil
-import sys
+from enum import StrEnum
 from pathlib import Path
 
 import typer
 
-ADDON = Path(__file__).resolve().parent.parent.parent / "addons" / "openforge.py"
+from openforge.commands import fail
+from openforge.processes import mitmdump_command
+
+
+class Profile(StrEnum):
+    """openforge.addons.options.PROFILES."""
+
+    auto = "auto"
+    vllm = "vllm"
+    sglang = "sglang"
+    llamacpp = "llamacpp"
+    generic = "generic"
+
+
+class Translate(StrEnum):
+    """openforge.addons.options.TRANSLATE."""
+
+    never = "never"
+    auto = "auto"
+    always = "always"
 
 
 def register(app: typer.Typer) -> None:
@@ -30,12 +48,13 @@ def proxy(
                                   help="Where flow files go."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for a sidecar)."),
     port: int = typer.Option(8080, "--port", "-p", min=0, max=65535, help="Port to listen on."),
-    profile: str | None = typer.Option(None, "--profile", help="Engine profile: auto, vllm, sglang, "
-                                          "llamacpp, generic. Default: $OPENFORGE_ENGINE_PROFILE or auto."),
+    profile: Profile | None = typer.Option(None, "--profile", show_default=False,
+                                           help="Engine profile. Default: $OPENFORGE_ENGINE_PROFILE or auto."),
     models: str | None = typer.Option(None, "--models", help="Per-role model routing: inline JSON or a "
                                          ".json/.toml file (docs/addon.md). Default: $OPENFORGE_MODELS."),
-    translate: str | None = typer.Option(None, "--translate", help="never, auto or always: send Anthropic "
-                                            "and Responses calls to the engine as Chat Completions."),
+    translate: Translate | None = typer.Option(None, "--translate", show_default=False,
+                                               help="Send Anthropic and Responses calls to the engine as Chat "
+                                                    "Completions. Default: $OPENFORGE_TRANSLATE or auto."),
     quiet_flows: bool = typer.Option(True, "--quiet-flows/--mitm-flows", help="Hide mitmproxy's own per-flow "
                                      "lines (the addon logs one masked line per LLM call)."),
 ) -> None:
@@ -43,32 +62,20 @@ def proxy(
     HTTPS_PROXY to it with mitmproxy's CA trusted (forward use). Any extra arguments go to mitmdump
     unchanged, e.g. `openforge proxy -- --set openforge_record_other=true`."""
     if not upstream:
-        typer.echo("error: no engine URL: pass --upstream http://HOST:PORT or set OPENFORGE_UPSTREAM_URL", err=True)
-        raise typer.Exit(2)
-    mitmdump = _mitmdump()
+        fail("no engine URL: pass --upstream http://HOST:PORT or set OPENFORGE_UPSTREAM_URL")
+    sets = ["connection_strategy=lazy", f"openforge_upstream_url={upstream}", f"openforge_flow_dir={flow_dir}"]
+    for name, value in (("engine_profile", profile.value if profile else None), ("models", models),
+                        ("translate", translate.value if translate else None)):
+        if value is not None:
+            sets.append(f"openforge_{name}={value}")
+    if quiet_flows:
+        sets.append("flow_detail=0")
+    try:
+        args = mitmdump_command(port, host=host, sets=sets)
+    except FileNotFoundError as e:
+        fail(str(e))
     env = dict(os.environ)
     if key:
         env["OPENFORGE_UPSTREAM_KEY"] = key  # the addon reads it from the environment: not visible in `ps`
-    args = [mitmdump, "-s", str(ADDON), "--listen-host", host, "-p", str(port),
-            "--set", "connection_strategy=lazy", "--set", f"openforge_upstream_url={upstream}",
-            "--set", f"openforge_flow_dir={flow_dir}"]
-    for name, value in (("engine_profile", profile), ("models", models), ("translate", translate)):
-        if value is not None:
-            args += ["--set", f"openforge_{name}={value}"]
-    if quiet_flows:
-        args += ["--set", "flow_detail=0"]
-    args += ctx.args
     typer.echo(f"OpenForge proxy on http://{host}:{port} -> {upstream}; flows in {flow_dir}", err=True)
-    os.execve(mitmdump, args, env)
-
-
-def _mitmdump() -> str:
-    """The mitmdump of this interpreter's environment first, so the addon runs with the same packages."""
-    beside = Path(sys.executable).with_name("mitmdump")
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mitmdump")
-    if found is None:
-        typer.echo("error: mitmdump not found: install mitmproxy>=11 in this environment", err=True)
-        raise typer.Exit(2)
-    return found
+    os.execve(args[0], args + ctx.args, env)

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 import typer
+
+from openforge.commands import FAILED, fail
+
+
+class Advantage(StrEnum):
+    """openforge.reconstruct.rewards.ADVANTAGES (not imported: `openforge --help` would load the package)."""
+
+    grpo = "grpo"
+    grpo_no_std = "grpo-no-std"
+    rloo = "rloo"
+
+
+class GroupBy(StrEnum):
+    """openforge.reconstruct.rewards.GROUPINGS."""
+
+    task = "task"
+    task_toolchain = "task-toolchain"
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +38,8 @@ def reconstruct_command(
         ..., "--tokenizer", help="Local directory of the policy's Hugging Face tokenizer (with its chat template)."
     ),
     rewards: Path | None = typer.Option(
-        None, "--rewards", help="Rewards file, JSONL or .csv: episode_id, reward, optional task_id. Beats reward records."
+        None, "--rewards",
+        help="Rewards file, JSONL or .csv: episode_id, reward, optional task_id. Beats reward records."
     ),
     run: str | None = typer.Option(None, "--run", help="Free label stored with every call and sample of this run."),
     missing_reward: str | None = typer.Option(
@@ -29,11 +48,13 @@ def reconstruct_command(
         help="Episodes without a reward: `drop` them, `fill:<x>` with reward x, or `keep` them with a NULL reward. "
         "Without it such episodes are left unbuilt (reported) until a reward or a policy arrives.",
     ),
-    advantage: str = typer.Option(
-        "grpo", "--advantage", help="Per-task advantage: grpo ((r-mean)/std), grpo-no-std (r-mean), rloo (leave-one-out)."
+    advantage: Advantage = typer.Option(
+        Advantage.grpo, "--advantage",
+        help="Per-task advantage: grpo ((r-mean)/std), grpo-no-std (r-mean), rloo (leave-one-out)."
     ),
-    group_by: str = typer.Option(
-        "task", "--group-by", help="Advantage groups: `task`, or `task-toolchain` (each toolchain's episodes of a task apart)."
+    group_by: GroupBy = typer.Option(
+        GroupBy.task, "--group-by",
+        help="Advantage groups: `task`, or `task-toolchain` (each toolchain's episodes of a task apart)."
     ),
     train_roles: str = typer.Option(
         "agent", "--train-roles",
@@ -42,7 +63,8 @@ def reconstruct_command(
     ),
     keep_prompt_mismatch: bool = typer.Option(
         False, "--keep-prompt-mismatch",
-        help="Train calls whose rendered prompt differs in length from the engine's (template drift); left out by default.",
+        help="Train calls whose rendered prompt differs in length from the engine's (template drift); "
+        "left out by default.",
     ),
     chat_template: Path | None = typer.Option(
         None, "--chat-template",
@@ -56,17 +78,13 @@ def reconstruct_command(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS, MissingReward, RewardFileError
+    from openforge.reconstruct.rewards import MissingReward, RewardFileError
 
     console = Console(stderr=True)
     try:
         policy = MissingReward.parse(missing_reward)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--missing-reward") from None
-    if advantage not in ADVANTAGES:
-        raise typer.BadParameter(f"choose one of {', '.join(ADVANTAGES)}", param_hint="--advantage")
-    if group_by not in GROUPINGS:
-        raise typer.BadParameter(f"choose one of {', '.join(GROUPINGS)}", param_hint="--group-by")
     roles = [r.strip() for r in train_roles.split(",") if r.strip()]
     if not roles:
         raise typer.BadParameter("name at least one role, e.g. agent", param_hint="--train-roles")
@@ -74,11 +92,9 @@ def reconstruct_command(
         raise typer.BadParameter(f"{chat_template} is not a file", param_hint="--chat-template")
     missing = [str(p) for p in flows if not p.exists()]
     if missing:
-        console.print(f"[red]No such flow file or directory: {', '.join(missing)}")
-        raise typer.Exit(2)
+        fail(f"No such flow file or directory: {', '.join(missing)}")
     if not tokenizer.is_dir():
-        console.print(f"[red]--tokenizer {tokenizer} is not a directory (give a local Hugging Face tokenizer).")
-        raise typer.Exit(2)
+        fail(f"--tokenizer {tokenizer} is not a directory", hint="give a local Hugging Face tokenizer directory")
 
     from openforge.reconstruct.api import reconstruct
     from openforge.reconstruct.tokenize import Retokenizer, load_tokenizer
@@ -87,8 +103,7 @@ def reconstruct_command(
         try:
             retok = Retokenizer(load_tokenizer(tokenizer))
         except Exception as e:  # noqa: BLE001 - any loader failure is a bad --tokenizer
-            console.print(f"[red]Cannot load tokenizer from {tokenizer}: {e}")
-            raise typer.Exit(2) from None
+            fail(f"Cannot load tokenizer from {tokenizer}: {e}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeRemainingColumn(), console=console) as bar:
         tasks: dict[str, int] = {}
@@ -100,14 +115,13 @@ def reconstruct_command(
 
         try:
             summary = reconstruct(flows, db, retok, rewards=rewards, run=run, missing_reward=policy,
-                                  advantage=advantage, progress=progress, train_roles=roles, group_by=group_by,
+                                  advantage=advantage.value, progress=progress, train_roles=roles,
+                                  group_by=group_by.value,
                                   keep_prompt_mismatch=keep_prompt_mismatch, chat_template=chat_template)
         except RewardFileError as e:
-            console.print(f"[red]{e}")
-            raise typer.Exit(2) from None
+            fail(str(e))
         except Exception as e:  # noqa: BLE001 - a sentence, never a traceback (a bad record is skipped, not raised)
-            console.print(f"reconstruct stopped: {type(e).__name__}: {e}", style="red", markup=False)
-            raise typer.Exit(1) from None
+            fail(f"reconstruct stopped: {type(e).__name__}: {e}", code=FAILED)
     print_summary(summary)
 
 
@@ -119,9 +133,11 @@ def print_summary(summary) -> None:
     rows = [
         ("files", f"{summary.files} ({summary.files_ingested} read, {summary.files_unchanged} unchanged)"),
         ("records", summary.records),
-        ("calls", f"{summary.calls} ({summary.calls_engine_ids} engine ids, {summary.calls_mixed} engine completion ids, {summary.calls_retokenized} retokenized)"),
+        ("calls", f"{summary.calls} ({summary.calls_engine_ids} engine ids, {summary.calls_mixed} engine completion "
+                  f"ids, {summary.calls_retokenized} retokenized)"),
         ("calls by role", ", ".join(f"{k} {v}" for k, v in sorted(summary.calls_by_role.items())) or "none"),
-        ("prompt != engine's", f"{summary.calls_prompt_mismatch} calls (template drift; not trained unless --keep-prompt-mismatch)"),
+        ("prompt != engine's", f"{summary.calls_prompt_mismatch} calls (template drift; not trained unless "
+                               "--keep-prompt-mismatch)"),
         ("rewards", summary.rewards),
         ("episodes built", summary.episodes),
         ("samples", summary.samples),

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 
 import typer
+
+from openforge.commands import FAILED, fail
+
+
+class Side(StrEnum):
+    """openforge.replay.Side."""
+
+    client = "client"
+    engine = "engine"
 
 replay_app = typer.Typer(
     help="Answer toolchains from a captured trace (serve), or re-send its calls to an engine (drive).",
@@ -23,15 +33,7 @@ def _load(trace: list[Path]):  # noqa: ANN202 - returns the replay module's exch
     try:
         return load_exchanges(trace)
     except ReplayError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _side(side: str) -> str:
-    if side not in ("client", "engine"):
-        typer.echo("error: --side must be 'client' or 'engine'", err=True)
-        raise typer.Exit(2)
-    return side
+        fail(str(e))
 
 
 @replay_app.command("serve")
@@ -39,32 +41,31 @@ def serve(
     trace: list[Path] = typer.Argument(..., help="Flow files or directories of a captured trace."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8400, help="Port to listen on (0: pick a free one and print it)."),
-    side: str = typer.Option(
-        "client",
+    side: Side = typer.Option(
+        Side.client,
         help="'client': stand in for proxy+engine, point the toolchain here and get what it received. "
         "'engine': stand in for the engine behind `openforge proxy`, answering the engine's recorded "
         "responses (with token ids) to the proxy's upstream requests.",
     ),
-    fast: bool = typer.Option(False, "--fast", help="Send answers as fast as possible instead of at the recorded pace."),
+    fast: bool = typer.Option(False, "--fast",
+                              help="Send answers as fast as possible instead of at the recorded pace."),
     speed: float = typer.Option(1.0, help="Pace multiplier (2.0 = twice as fast as recorded); ignored with --fast."),
 ) -> None:
-    """Answer calls from a trace, matched by conversation; a call that matches nothing gets an error saying where it diverged."""
+    """Answer calls from a trace, matched by conversation; a call that matches nothing gets an error saying
+    where it diverged."""
     from openforge.replay import ReplayError, ReplayIndex, ReplayServer
 
     exchanges = _load(trace)
     try:
-        index = ReplayIndex.build(exchanges, side=_side(side))  # type: ignore[arg-type]
+        index = ReplayIndex.build(exchanges, side=side.value)
     except ReplayError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
     if speed <= 0:
-        typer.echo("error: --speed must be > 0", err=True)
-        raise typer.Exit(2)
+        fail("--speed must be > 0")
     try:
         server = ReplayServer(index, host=host, port=port, speed=None if fast else speed)
     except OSError as e:
-        typer.echo(f"error: cannot listen on {host}:{port}: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(f"cannot listen on {host}:{port}: {e}")
     typer.echo(f"replaying {len(index)} recorded calls ({side} side) on {server.url}  (Ctrl-C to stop)")
     try:
         server.httpd.serve_forever()
@@ -82,8 +83,8 @@ def drive(
     trace: list[Path] = typer.Argument(..., help="Flow files or directories of a captured trace."),
     upstream: str = typer.Option(..., help="Engine base URL (scheme://host:port); the recorded path is appended."),
     concurrency: int = typer.Option(8, min=1, help="Requests in flight at once."),
-    side: str = typer.Option(
-        "engine",
+    side: Side = typer.Option(
+        Side.engine,
         help="'engine': re-send the proxy's upstream requests (each call on its own). 'client': re-send what "
         "the toolchain sent, episode by episode in recorded order (e.g. through `openforge proxy`).",
     ),
@@ -92,9 +93,11 @@ def drive(
                                           help="Bearer key for the engine (recorded keys are masked), as on `openforge "
                                                "proxy` and `preflight`. Default: $OPENFORGE_REPLAY_API_KEY."),
     timeout: float = typer.Option(300.0, help="Per-request timeout in seconds."),
-    json_out: Path | None = typer.Option(None, "--json", help="Also write the summary and per-call results as JSON here."),
+    json_out: Path | None = typer.Option(None, "--json",
+                                         help="Also write the summary and per-call results as JSON here."),
 ) -> None:
-    """Re-send a trace's calls to an engine: throughput, TTFT and latency percentiles, divergence from the recorded outputs."""
+    """Re-send a trace's calls to an engine: throughput, TTFT and latency percentiles, divergence from the
+    recorded outputs."""
     import asyncio
     from dataclasses import asdict
 
@@ -105,16 +108,14 @@ def drive(
     from openforge import replay as rp
 
     exchanges = _load(trace)
-    side = _side(side)
-    total = rp.count_calls(exchanges, side)  # type: ignore[arg-type]
+    total = rp.count_calls(exchanges, side.value)
     if total == 0:
-        typer.echo(f"error: the trace holds no LLM call with a recorded {side} request", err=True)
-        raise typer.Exit(2)
+        fail(f"the trace holds no LLM call with a recorded {side.value} request")
     with Progress(transient=True) as progress:
         task = progress.add_task("driving", total=total)
         report = asyncio.run(
             rp.drive(
-                exchanges, upstream, concurrency, side, model, timeout, api_key,  # type: ignore[arg-type]
+                exchanges, upstream, concurrency, side.value, model, timeout, api_key,
                 on_done=lambda _r: progress.advance(task),
             )
         )
@@ -131,4 +132,4 @@ def drive(
     if json_out:
         json_out.write_text(json.dumps({"summary": summary, "calls": [asdict(r) for r in report.results]}, indent=1))
     if summary["ok"] == 0:
-        raise typer.Exit(1)
+        raise typer.Exit(FAILED)

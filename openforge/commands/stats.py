@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from openforge.commands import fail
+
 
 def register(app: typer.Typer) -> None:
     app.command(name="stats")(stats_command)
@@ -19,8 +21,7 @@ def stats_command(
     from rich.table import Table
 
     if not db.is_file():
-        Console(stderr=True).print(f"[red]No database at {db}")
-        raise typer.Exit(2)
+        fail(f"No database at {db}", hint="write one with `openforge reconstruct ... --db FILE`")
     from openforge.reconstruct.stats import collect
 
     figures = collect(db)

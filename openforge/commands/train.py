@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 import typer
+
+from openforge.commands import FAILED, fail
+
+
+class Objective(StrEnum):
+    """openforge.trainer.config.OBJECTIVES."""
+
+    ppo = "ppo"
+    sft = "sft"
 
 
 def register(app: typer.Typer) -> None:
@@ -19,7 +29,8 @@ def train(
                                 help="TOML file with any TrainConfig field (flat or under \\[train])."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
     where: str = typer.Option(None, "--where", help="SQL filter on the samples table, e.g. \"reward > 0\"."),
-    objective: str = typer.Option(None, "--objective", help="ppo (GRPO/PPO clipped surrogate) or sft."),
+    objective: Objective | None = typer.Option(
+        None, "--objective", show_default=False, help="ppo (GRPO/PPO clipped surrogate) or sft."),
     lr: float = typer.Option(None, "--lr", help="Peak learning rate (AdamW, warmup then cosine)."),
     steps: int = typer.Option(None, "--steps", help="Optimizer steps; 0 = `epochs` passes over the selection."),
     step_tokens: int = typer.Option(None, "--step-tokens", help="Global batch size in tokens (all ranks)."),
@@ -31,19 +42,18 @@ def train(
     Precedence: defaults < --config file < --set < the named options. See docs/trainer.md for every field.
     """
     from rich.console import Console
-    from rich.markup import escape
 
     from openforge.trainer.config import ConfigError, load_config, parse_sets
     from openforge.trainer.data import DataError
 
     console = Console(stderr=True, soft_wrap=True)
-    named = dict(db=str(db), model=str(model), out=str(out), where=where, objective=objective, lr=lr,
-                 steps=steps, step_tokens=step_tokens, row_tokens=row_tokens)
+    named = dict(db=str(db), model=str(model), out=str(out), where=where,
+                 objective=objective.value if objective else None, lr=lr, steps=steps, step_tokens=step_tokens,
+                 row_tokens=row_tokens)
     try:
         cfg = load_config(config, parse_sets(sets) | {k: v for k, v in named.items() if v is not None})
         from openforge.trainer.train import train as run  # torch + transformers: imported only when training
 
         run(cfg, resume=resume, say=console.print)
     except (ConfigError, DataError) as e:
-        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
-        raise typer.Exit(1) from None
+        fail(str(e), code=FAILED)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +18,7 @@ import duckdb
 import numpy as np
 import pytest
 
+from openforge.processes import free_port
 from tests.support.reconstruct_flows import qwen_path
 
 SCHEMA = Path(__file__).resolve().parents[2] / "reconstruct" / "schema.sql"
@@ -64,22 +64,17 @@ def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen3") / "model")
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny models gain nothing from intra-op threads, and on 2 shared cores busy-waiting threads make
-    them many times slower; restored after the module."""
+    them many times slower; restored after the module. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_on_ranks(cfg, world_size: int) -> None:
