@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 VENV312 := .venv312
 
-.PHONY: setup setup-312 setup-litellm setup-vllm toolchains demo test test-addon-312 test-vllm bench
+.PHONY: setup setup-312 setup-litellm setup-vllm toolchains demo lint test test-addon-312 test-vllm bench
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml constraints.txt
@@ -48,7 +48,12 @@ setup-vllm: .venv-vllm/.setup-done
 demo: setup
 	$(BIN)/openforge demo
 
-test: setup setup-312 setup-vllm toolchains
+# ruff (lint and import order) on the whole tree; mypy on the proxy and reconstruct (pyproject.toml).
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: setup setup-312 setup-vllm toolchains lint
 	$(BIN)/python -m pytest -q -m "not vllm"
 	$(MAKE) test-addon-312
 	$(MAKE) test-vllm

@@ -15,9 +15,10 @@ import sys
 import threading
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf
-from openforge.processes import Child, ChildError, free_port
+from openforge.processes import Child, ChildError, Progress, free_port
 
 TEMPLATE_CHOICES = ("chatml-tools", "gguf")
 
@@ -64,12 +65,76 @@ def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat
     del server  # joins llama.cpp's loop: the port is released before the process exits
 
 
-class EmbeddedEngine:
-    """A llama.cpp server child process on 127.0.0.1; `with EmbeddedEngine() as eng: eng.url`.
+class EngineProcess:
+    """An engine's HTTP server in a child process of its own group (`openforge.processes.Child`): ready once
+    `/health` answers 200; stopped with SIGTERM to the whole group, SIGKILL for what lingers after
+    `stop_timeout`. A Ctrl-C in a terminal reaches only the caller, which then stops the child deliberately.
+    Subclasses say what to run (`command`, `env`, `label`) and set `port`, `log_path` and the timeouts."""
 
-    The child runs in its own process group (`openforge.processes.Child`) so a Ctrl-C in a terminal reaches
-    only the caller, which then stops the child deliberately (SIGTERM, then SIGKILL after `stop_timeout`).
-    """
+    port: int
+    log_path: Path | None
+    ready_timeout: float
+    stop_timeout: float
+    poll_interval = 0.1  # seconds between readiness probes
+    child: Child | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def label(self) -> str:
+        """What the server serves, for messages."""
+        raise NotImplementedError
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def start(self, progress: Progress | None = None, every: float = 15.0) -> Self:
+        """Start the child and wait until /health answers 200; `progress(elapsed, last log line)` every
+        `every` seconds meanwhile."""
+        self.child = Child(self.command(), name=self.label, log_path=self.log_path, env=self.env())
+        report = (lambda t, _: progress(t, self.last_log_line())) if progress else None
+        try:
+            self.child.wait_ready(f"{self.url}/health", self.ready_timeout, progress=report, every=every,
+                                  interval=self.poll_interval)
+        except ChildError as e:
+            self.stop()
+            raise EngineError(str(e)) from None
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The running child process (None once stopped)."""
+        return self.child.proc if self.child else None
+
+    def last_log_line(self) -> str:
+        """The child log's last line ('' without a log): what the server is doing while it loads."""
+        return self.child.last_log_line() if self.child else ""
+
+    def stop(self) -> None:
+        """SIGTERM the child's process group, SIGKILL what lingers; safe to call twice."""
+        child, self.child = self.child, None
+        if child is not None:
+            child.stop(signal.SIGTERM, self.stop_timeout)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class EmbeddedEngine(EngineProcess):
+    """A llama.cpp server child process on 127.0.0.1; `with EmbeddedEngine() as eng: eng.url`."""
 
     def __init__(
         self,
@@ -93,11 +158,10 @@ class EmbeddedEngine:
         self.chat_template = chat_template
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
-        self.child: Child | None = None
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def label(self) -> str:
+        return f"engine for {self.gguf}"
 
     def command(self) -> list[str]:
         return [
@@ -106,40 +170,10 @@ class EmbeddedEngine:
             "--chat-template", self.chat_template,
         ]  # fmt: skip
 
-    def start(self) -> EmbeddedEngine:
-        """Start the child and wait until /health answers 200."""
+    def env(self) -> dict[str, str]:
         # the child imports this very package, installed or not
         root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.child = Child(self.command(), name=f"engine for {self.gguf}", log_path=self.log_path, env=env)
-        try:
-            self.child.wait_ready(f"{self.url}/health", self.ready_timeout)
-        except ChildError as e:
-            self.stop()
-            raise EngineError(str(e)) from None
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    @property
-    def proc(self) -> subprocess.Popen[bytes] | None:
-        """The running child process (None once stopped)."""
-        return self.child.proc if self.child else None
-
-    def stop(self) -> None:
-        """SIGTERM the child, SIGKILL it if it lingers; safe to call twice."""
-        child, self.child = self.child, None
-        if child is not None:
-            child.stop(signal.SIGTERM, self.stop_timeout)
-
-    def __enter__(self) -> EmbeddedEngine:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def main(argv: list[str] | None = None) -> None:

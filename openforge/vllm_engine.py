@@ -12,16 +12,14 @@ import os
 import re
 import shlex
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import httpx
 
-from openforge.engine import EngineError
-from openforge.processes import Child, ChildError, free_port
+from openforge.engine import EngineError, EngineProcess
+from openforge.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -93,12 +91,14 @@ def _dev_post(http: httpx.Client, path: str, body: dict | None = None) -> None:
         raise EngineError(f"{path} answered {answer.status_code}: {answer.text[:300]}")
 
 
-class VllmEngine:
+class VllmEngine(EngineProcess):
     """A vLLM OpenAI-compatible server child process on 127.0.0.1; `with VllmEngine(dir) as eng: eng.url`.
 
     `dev_mode` mounts vLLM's development endpoints (weight reload, sleep, pause), which must never face
     the network. The first start compiles the model (minutes on 2 cores, cached in `~/.cache/vllm`).
     """
+
+    poll_interval = 1.0
 
     def __init__(
         self,
@@ -128,11 +128,10 @@ class VllmEngine:
         self.threads, self.dev_mode = threads, dev_mode
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
-        self.child: Child | None = None
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def label(self) -> str:
+        return f"vLLM serving {self.model_dir}"
 
     def command(self) -> list[str]:
         return [
@@ -156,46 +155,10 @@ class VllmEngine:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         return env
 
-    def start(self, progress: Progress | None = None, every: float = 15.0) -> VllmEngine:
-        """Start the server and wait until /health answers 200; `progress(elapsed, last log line)` every
-        `every` seconds meanwhile."""
-        self.child = Child(self.command(), name=f"vLLM serving {self.model_dir}", log_path=self.log_path,
-                           env=self.env())
-        report = (lambda t, _: progress(t, self.last_log_line())) if progress else None
-        try:
-            self.child.wait_ready(f"{self.url}/health", self.ready_timeout, progress=report, every=every, interval=1.0)
-        except ChildError as e:
-            self.stop()
-            raise EngineError(str(e)) from None
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    @property
-    def proc(self) -> subprocess.Popen[bytes] | None:
-        """The server process (None once stopped)."""
-        return self.child.proc if self.child else None
-
     def last_log_line(self) -> str:
         """The message of the server log's last line, without vLLM's process / level / time / source
         prefix ('' without a log): what the server is doing while it loads."""
-        line = self.child.last_log_line() if self.child else ""
-        return _LOG_PREFIX.sub("", line)[:160]
-
-    def stop(self) -> None:
-        """SIGTERM the server's process group (server and engine core), SIGKILL what lingers; safe twice."""
-        child, self.child = self.child, None
-        if child is not None:
-            child.stop(signal.SIGTERM, self.stop_timeout)
-
-    def __enter__(self) -> VllmEngine:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return _LOG_PREFIX.sub("", super().last_log_line())[:160]
 
 
 def serve_cli(gguf: Path | None, port: int, max_model_len: int, log: Path | None,
