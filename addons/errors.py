@@ -1,7 +1,7 @@
 """What the proxy answers itself when a call cannot go on: errors in the client's own protocol.
 
-Every refusal, failure and unrecorded answer is shaped here (`error_body`, from `openforge.protocols.errors`), so a client's SDK reads
-it as its vendor's error instead of choking on text or mitmproxy's HTML page.
+Every refusal, failure and unrecorded answer is shaped here (`error_body`, from `openforge.protocols.errors`), so a
+client's SDK reads it as its vendor's error instead of choking on text or mitmproxy's HTML page.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """What the capture proxy costs: the same chat requests and SSE streams direct to an engine, through bare
-`mitmdump` (plus a 3-line hook that streams SSE, as mitmdump otherwise buffers it), through `mitmdump -s addons/openforge.py`, and through the LiteLLM proxy when installed.
+`mitmdump` (plus a 3-line hook that streams SSE, as mitmdump otherwise buffers it), through
+`mitmdump -s addons/openforge.py`, and through the LiteLLM proxy when installed.
 
 The addon asks the engine for token ids and logprobs the client did not ask for, so its engine answers are
 several times larger than the others'. To separate that payload from the proxy's own cost, two more rows
@@ -64,7 +65,8 @@ LONG_MESSAGES = [
     {"role": "system", "content": "You are a coding agent \u2014 careful, terse. " + " ".join(
         f"Rule {i}: read the file before you edit it, run the tests after." for i in range(300))},
     *[m for i in range(6) for m in (
-        {"role": "user" if i == 0 else "tool", "content": f"Step {i} caf\u00e9 output:\n" + f"src/module_{i}.py:1: ok\n" * 60},
+        {"role": "user" if i == 0 else "tool",
+         "content": f"Step {i} caf\u00e9 output:\n" + f"src/module_{i}.py:1: ok\n" * 60},
         {"role": "assistant", "content": f"Looking at step {i} next."})],
     {"role": "user", "content": "Please list the files in the current working directory now"},
 ]
@@ -427,7 +429,8 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
         a, b = phases[(p.name, "ns1")], phases[(p.name, "ns16")]
         cpu = (a.cpu + b.cpu) / max(1, a.requests + b.requests) * 1000
         print(f"{p.name:<16}{a.requests / a.wall:>8.0f}{pct(a.latencies, .5) * 1e3:>8.2f}"
-              f"{pct(a.latencies, .99) * 1e3:>8.2f}{(pct(a.latencies, .5) - pct(base['ns1'].latencies, .5)) * 1e3:>8.2f}"
+              f"{pct(a.latencies, .99) * 1e3:>8.2f}"
+              f"{(pct(a.latencies, .5) - pct(base['ns1'].latencies, .5)) * 1e3:>8.2f}"
               f"{b.requests / b.wall:>8.0f}{pct(b.latencies, .5) * 1e3:>8.2f}{pct(b.latencies, .99) * 1e3:>8.2f}"
               f"{(pct(b.latencies, .5) - pct(base['ns16'].latencies, .5)) * 1e3:>9.2f}{cpu:>9.2f}"
               f"{a.errors + b.errors:>7}")
@@ -444,7 +447,8 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
               f"{cpu:>9.3f}{a.errors + b.errors:>7}")
     long_kb = len(json.dumps(LONG_MESSAGES)) / 1024
     print(f"\nagent-sized request ({long_kb:.0f} KB conversation; as deployed the engine also returns its "
-          f"~{long_kb:.0f}k prompt ids), non-streamed, 1 client: latency p50 (ms), added over direct, proxy CPU ms/request")
+          f"~{long_kb:.0f}k prompt ids), non-streamed, 1 client: latency p50 (ms), added over direct, "
+          "proxy CPU ms/request")
     print(f"{'path':<16}{'p50':>8}{'+p50':>8}{'cpu/req':>9}{'errors':>7}")
     for p in paths:
         a = phases[(p.name, "long1")]
@@ -472,7 +476,8 @@ def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
               f"at 1 (per round: median {pct(per_round, .5) * 1e3:+.2f}, {per_round[0] * 1e3:+.2f} to "
               f"{per_round[-1] * 1e3:+.2f}), proxy CPU {(cpu[name_ours] - cpu[name_bare]) * 1e3:+.2f} ms/request, "
               f"{(chunk[name_ours] - chunk[name_bare]) * 1e3:+.3f} ms/chunk; agent-sized request: p50 "
-              f"{long_p50 * 1e3:+.2f} ms, proxy CPU {(long_cpu[name_ours] - long_cpu[name_bare]) * 1e3:+.2f} ms/request")
+              f"{long_p50 * 1e3:+.2f} ms, "
+              f"proxy CPU {(long_cpu[name_ours] - long_cpu[name_bare]) * 1e3:+.2f} ms/request")
     needed = ("direct", PAYLOAD_DIRECT, "mitmdump", PAYLOAD_BARE, PAYLOAD_OURS, "mitmdump+addon")
     if all((n, "ns16") in phases for n in needed):
         rps = {n: phases[(n, "ns16")].requests / phases[(n, "ns16")].wall for n in needed}

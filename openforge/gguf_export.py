@@ -29,7 +29,8 @@ class ExportError(ValueError):
 
 def llama_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's `LlamaModel.permute` (convert_hf_to_gguf.py): interleave each head's rotary halves."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    split = weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+    return split.swapaxes(1, 2).reshape(weight.shape)
 
 
 def export_gguf(
@@ -73,7 +74,8 @@ def export_gguf(
         writer.add_file_type(FILE_TYPES[dtype])
 
         written: set[str] = set()
-        items = [(k, v) for k, v in state_dict.items() if not (k == "lm_head.weight" and "output.weight" not in expected)]
+        no_output_tensor = "output.weight" not in expected
+        items = [(k, v) for k, v in state_dict.items() if not (k == "lm_head.weight" and no_output_tensor)]
         for done, (hf_name, tensor) in enumerate(items, 1):
             base, _, suffix = hf_name.rpartition(".")
             mapped = name_map.get_name(base)

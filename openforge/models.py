@@ -39,11 +39,14 @@ CHATML_TOOLS_TEMPLATE = """\
 {%- endif -%}
 {{- '<|im_start|>system\\n' + system_message }}
 {%- if tools %}
-{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
+You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
 {%- for tool in tools %}
 {{- '\\n' }}{{- tool | tojson }}
 {%- endfor %}
-{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\
+\\n</tool_call>' }}
 {%- endif %}
 {{- '<|im_end|>\\n' }}
 {%- for message in loop_messages %}
@@ -53,7 +56,8 @@ CHATML_TOOLS_TEMPLATE = """\
 {%- for tool_call in message.tool_calls %}
 {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
 {{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}
-{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}\
+{{- tool_call.arguments | tojson }}{%- endif %}
 {{- '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}

@@ -287,7 +287,8 @@ class Preflight:
         except (ValueError, KeyError, IndexError, TypeError):
             self.report.add("token ids", False, "the token-id probe got an answer without choices")
             return
-        entries = ((choice.get("logprobs") or {}).get("content") or []) if isinstance(choice.get("logprobs"), dict) else []
+        logprobs = choice.get("logprobs")
+        entries = ((logprobs or {}).get("content") or []) if isinstance(logprobs, dict) else []
         prompt_ids, out_ids = data.get("prompt_token_ids"), choice.get("token_ids")
         if prompt_ids and out_ids:
             self.report.profile = "sglang" if "sglang" in self.owned_by else "vllm"

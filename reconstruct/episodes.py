@@ -34,8 +34,10 @@ def loose_message(m: dict[str, Any]) -> str:
 
 
 def strict_message(m: dict[str, Any]) -> str:
-    calls = [[tc.get("id"), tc["function"]["name"], tc["function"].get("arguments", "")] for tc in m.get("tool_calls") or []]
-    return stable_json([m.get("role"), m.get("content") or "", calls, m.get("tool_call_id"), m.get("reasoning_content")])
+    calls = [[tc.get("id"), tc["function"]["name"], tc["function"].get("arguments", "")]
+             for tc in m.get("tool_calls") or []]
+    return stable_json([m.get("role"), m.get("content") or "", calls, m.get("tool_call_id"),
+                        m.get("reasoning_content")])
 
 
 def chain_hashes(messages: list[dict[str, Any]], tools: Any, completion: dict[str, Any],

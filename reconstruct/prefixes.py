@@ -60,7 +60,8 @@ class PrefixSplitter:
         if base is not None:
             k = common_prefix(ids, base.full)
             prefix_id = base.call_id if k else None
-        last = _Last(call_id, np.concatenate([ids, completion]), len(ids), prompt if isinstance(prompt, RawIds) else None)
+        last = _Last(call_id, np.concatenate([ids, completion]), len(ids),
+                     prompt if isinstance(prompt, RawIds) else None)
         self._last[episode] = last
         self._cells += _cells(last)
         while self._cells > self.max_cells and len(self._last) > 1:

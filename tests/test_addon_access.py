@@ -222,7 +222,8 @@ def test_tokens_never_reach_mitmproxys_own_flow_output(engine: Any, start_proxy:
     """flow_detail=3 prints every request's URL and headers: tokens presented, right or wrong, show masked."""
     wrong = "of-wrong-TOKEN-fedcba9876543210"
     p = start_proxy(engine.url, f"openforge_upstream_key={UPSTREAM_KEY}", "openforge_engine_profile=vllm",
-                    "flow_detail=3", env={"OPENFORGE_CLIENT_TOKENS": CLIENT_TOKEN, "OPENFORGE_REWARD_TOKENS": REWARD_TOKEN})
+                    "flow_detail=3",
+                    env={"OPENFORGE_CLIENT_TOKENS": CLIENT_TOKEN, "OPENFORGE_REWARD_TOKENS": REWARD_TOKEN})
     assert httpx.post(f"{p.url}/k/{CLIENT_TOKEN}/v1/chat/completions", json=CHAT).status_code == 200
     assert httpx.post(f"{p.url}/k/{wrong}/v1/chat/completions?key={wrong}", json=CHAT,
                       headers={"x-goog-api-key": wrong}).status_code == 401

@@ -22,7 +22,8 @@ UPSTREAM_KEY = "sk-upstream-SECRET-0123456789abcdef"
 CLIENT_KEY = "sk-client-OWNKEY-fedcba9876543210"
 MESSAGES = [{"role": "user", "content": "list the files here"}]
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a shell command",
-                                           "parameters": {"type": "object", "properties": {"command": {"type": "string"}},
+                                           "parameters": {"type": "object",
+                                                          "properties": {"command": {"type": "string"}},
                                                           "required": ["command"]}}}]
 
 

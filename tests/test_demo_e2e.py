@@ -53,7 +53,8 @@ def test_demo_e2e_short_loop(tmp_path) -> None:
 
     # engine vs trainer logprobs for the same tokens (Q4_1 in llama.cpp vs dequantised fp32 in PyTorch)
     gap = result.logprob_gap
-    print(f"\nengine vs PyTorch logprobs: mean {gap['mean']:.4f}, max {gap['max']:.4f} nats over {gap['tokens']} tokens")
+    print(f"\nengine vs PyTorch logprobs: mean {gap['mean']:.4f}, max {gap['max']:.4f} nats "
+          f"over {gap['tokens']} tokens")
     assert gap["tokens"] > 0 and gap["mean"] < 0.1
 
     # one GRPO step, a loadable checkpoint, an exported GGUF the engine served for one more episode
@@ -64,7 +65,8 @@ def test_demo_e2e_short_loop(tmp_path) -> None:
     # the new policy answered through the proxy; a malformed tool call it sampled (llama.cpp answers 500 when
     # a tool call is cut off by max_tokens) is the 135M model's quality, scored 0, not a pipeline failure
     final = result.final_episode
-    assert (final.n_calls >= 1 and final.error is None) or "Failed to parse tool call" in (final.error or ""), final.error
+    assert ((final.n_calls >= 1 and final.error is None)
+            or "Failed to parse tool call" in (final.error or "")), final.error
     timings = result.timings
     assert {"engine", "proxy", "episodes", "reconstruct", "train", "export", "episode_new_policy"} <= set(timings)
     print("timings: " + json.dumps({k: round(v, 1) for k, v in timings.items()}))

@@ -54,10 +54,13 @@ def test_engine_llamacpp_logprobs_carry_token_ids(engine: EmbeddedEngine) -> Non
 
 def test_engine_llamacpp_tokenize_matches_transformers(engine: EmbeddedEngine, tokenizer) -> None:
     """Prompt rendering and tokenisation agree between llama.cpp and transformers (reconstruct relies on it)."""
-    messages = [{"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": "What is 6 * 7? Ünïcode ✓"}]
-    prompt = httpx.post(f"{engine.url}/apply-template", json={"messages": messages, "tools": TOOLS}, timeout=30).json()["prompt"]
+    messages = [{"role": "system", "content": SYSTEM}, *FEW_SHOT,
+                {"role": "user", "content": "What is 6 * 7? Ünïcode ✓"}]
+    prompt = httpx.post(f"{engine.url}/apply-template", json={"messages": messages, "tools": TOOLS},
+                        timeout=30).json()["prompt"]
     assert prompt == tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    ids = httpx.post(f"{engine.url}/tokenize", json={"content": prompt, "parse_special": True}, timeout=30).json()["tokens"]
+    ids = httpx.post(f"{engine.url}/tokenize", json={"content": prompt, "parse_special": True},
+                     timeout=30).json()["tokens"]
     assert ids == tokenizer.encode(prompt, add_special_tokens=False)
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == len(messages) + 1  # + generation prompt
 
@@ -110,7 +113,8 @@ def test_engine_llamacpp_cli_ready_and_sigterm(tmp_path) -> None:
 
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen(
-        [sys.executable, "-m", "openforge.cli", "engine", "--port", "0", "--threads", "1", "--log", str(tmp_path / "e.log")],
+        [sys.executable, "-m", "openforge.cli", "engine", "--port", "0", "--threads", "1",
+         "--log", str(tmp_path / "e.log")],
         cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

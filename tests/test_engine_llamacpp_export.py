@@ -26,7 +26,8 @@ def greedy(gguf, log) -> tuple[list[int], list[int], list[float]]:
         body = {"messages": MESSAGES, "max_tokens": 16, "temperature": 0.0, "logprobs": True}
         choice = httpx.post(f"{eng.url}/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
         prompt = httpx.post(f"{eng.url}/apply-template", json={"messages": MESSAGES}, timeout=30).json()["prompt"]
-        prompt_ids = httpx.post(f"{eng.url}/tokenize", json={"content": prompt, "parse_special": True}, timeout=30).json()["tokens"]
+        prompt_ids = httpx.post(f"{eng.url}/tokenize", json={"content": prompt, "parse_special": True},
+                                timeout=30).json()["tokens"]
     content = choice["logprobs"]["content"]
     return prompt_ids, [e["id"] for e in content], [e["logprob"] for e in content]
 
@@ -53,7 +54,8 @@ def test_engine_llamacpp_export_round_trip(tmp_path) -> None:
     torch_lp = np.array([logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(ids_f)])
     gap_torch = np.abs(torch_lp - np.array(lp_f))
     print(f"\nexported f16 vs original Q4_1: max {gap_q.max():.4f} mean {gap_q.mean():.4f} nats over {common} tokens")
-    print(f"exported f16 vs PyTorch fp32: max {gap_torch.max():.4f} mean {gap_torch.mean():.4f} nats over {len(ids_f)} tokens")
+    print(f"exported f16 vs PyTorch fp32: max {gap_torch.max():.4f} mean {gap_torch.mean():.4f} nats "
+          f"over {len(ids_f)} tokens")
     # The export itself is exact up to f16 rounding; the Q4_1 file differs more because llama.cpp also
     # quantises activations (Q8_1) in Q4_1 matmuls.
     assert gap_torch.max() < 0.05

@@ -85,7 +85,8 @@ class Server:
             if match := re.search(pattern, line):
                 return match
         tail = self.log.read_text(errors="replace")[-3000:] if self.log.is_file() else ""
-        raise AssertionError(f"no line matching {pattern!r}; printed:\n" + "\n".join(self.lines) + f"\nlog tail:\n{tail}")
+        raise AssertionError(f"no line matching {pattern!r}; printed:\n" + "\n".join(self.lines)
+                             + f"\nlog tail:\n{tail}")
 
 
 def descendants(pid: int) -> set[int]:
@@ -269,7 +270,8 @@ def engine_side(rec: dict[str, Any]) -> tuple[list[int], list[int], list[float]]
 def engine_records(flow_dir: Path) -> list[dict[str, Any]]:
     return [rec for path in sorted(flow_dir.glob("*.flows")) for rec in open_flow_file(path).records()
             if rec.get("type") == "exchange" and rec.get("response") and rec["response"].get("status") == 200
-            and rec.get("upstream_request") and rec["upstream_request"]["url"].endswith(("/chat/completions", "/completions"))]
+            and rec.get("upstream_request")
+            and rec["upstream_request"]["url"].endswith(("/chat/completions", "/completions"))]
 
 
 def test_vllm_reconstruct_is_token_exact(proxy: Any, tmp_path: Path) -> None:

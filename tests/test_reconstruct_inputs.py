@@ -31,19 +31,28 @@ def test_reconstruct_anthropic_stream_claude_code_shape():
         "tools": [{"name": "Bash", "description": "d", "input_schema": {"type": "object"}}],
         "messages": [
             {"role": "user", "content": "list"},
-            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "tool_use", "id": "t0", "name": "Bash", "input": {"command": "pwd"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t0", "content": [{"type": "text", "text": "/w"}]},
-                                         {"type": "text", "text": "go on", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hm"},
+                {"type": "tool_use", "id": "t0", "name": "Bash", "input": {"command": "pwd"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t0", "content": [{"type": "text", "text": "/w"}]},
+                {"type": "text", "text": "go on", "cache_control": {"type": "ephemeral"}}]},
         ],
     }
     events = [
         ("message_start", {"type": "message_start", "message": {"usage": {"input_tokens": 12}}}),
-        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "why"}}),
-        ("content_block_start", {"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": '{"comm'}}),
-        ("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": 'and": "ls"}'}}),
-        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}),
+        ("content_block_start", {"type": "content_block_start", "index": 0,
+                                 "content_block": {"type": "thinking", "thinking": ""}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "thinking_delta", "thinking": "why"}}),
+        ("content_block_start", {"type": "content_block_start", "index": 1,
+                                 "content_block": {"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 1,
+                                 "delta": {"type": "input_json_delta", "partial_json": '{"comm'}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 1,
+                                 "delta": {"type": "input_json_delta", "partial_json": 'and": "ls"}'}}),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+                           "usage": {"output_tokens": 9}}),
         ("message_stop", {"type": "message_stop"}),
     ]
     call = parse_record(record("anthropic", request, sse(events)))
@@ -51,11 +60,13 @@ def test_reconstruct_anthropic_stream_claude_code_shape():
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "list"},
         {"role": "assistant", "content": "", "reasoning_content": "hm",
-         "tool_calls": [{"id": "t0", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "pwd"}'}}]},
+         "tool_calls": [{"id": "t0", "type": "function",
+                         "function": {"name": "Bash", "arguments": '{"command": "pwd"}'}}]},
         {"role": "tool", "tool_call_id": "t0", "content": "/w"},
         {"role": "user", "content": "go on"},
     ]
-    assert call.completion == {"role": "assistant", "content": "", "reasoning_content": "why", "tool_calls": [EXPECTED_TOOL_CALL]}
+    assert call.completion == {"role": "assistant", "content": "", "reasoning_content": "why",
+                               "tool_calls": [EXPECTED_TOOL_CALL]}
     assert (call.finish_reason, call.prompt_tokens, call.completion_tokens) == ("tool_use", 12, 9)
     assert call.tools[0]["function"]["parameters"] == {"type": "object"}
 
@@ -77,7 +88,8 @@ def test_reconstruct_responses_stream_codex_shape():
               ("response.completed", {"type": "response.completed", "response": final})]
     call = parse_record(record("responses", request, sse(events)))
     assert [m["role"] for m in call.messages] == ["system", "user", "assistant", "tool"]
-    assert call.completion == {"role": "assistant", "content": "", "reasoning_content": "why", "tool_calls": [EXPECTED_TOOL_CALL]}
+    assert call.completion == {"role": "assistant", "content": "", "reasoning_content": "why",
+                               "tool_calls": [EXPECTED_TOOL_CALL]}
     cut = record("responses", request, sse(events[:1]))
     try:
         parse_record(cut)
@@ -104,7 +116,8 @@ def test_reconstruct_reads_mitmproxy_w_files(tmp_path):
             fl.request.headers["X-OpenForge-Episode"] = "mitm-ep"
             fl.request.content = json.dumps({"model": "m", "messages": messages}).encode()
             answer = {"role": "assistant", "content": f"hello {i}"}
-            fl.response.content = json.dumps({"choices": [{"index": 0, "message": answer, "finish_reason": "stop"}]}).encode()
+            fl.response.content = json.dumps(
+                {"choices": [{"index": 0, "message": answer, "finish_reason": "stop"}]}).encode()
             fl.response.headers["content-type"] = "application/json"
             w.add(fl)
             messages = messages + [answer, {"role": "user", "content": "more"}]
@@ -113,7 +126,8 @@ def test_reconstruct_reads_mitmproxy_w_files(tmp_path):
     assert (s.calls, s.calls_retokenized, s.episodes, s.samples, s.drift) == (2, 2, 1, 2, {"template": 1})
     rows = db_rows(tmp_path / "db.duckdb", "SELECT token_source, n_calls FROM samples")
     assert rows == [{"token_source": "retokenized", "n_calls": 1}] * 2
-    assert reconstruct([tmp_path / "capture.mitm"], tmp_path / "db.duckdb", qwen_retokenizer(), missing_reward="fill:0").calls == 0
+    assert reconstruct([tmp_path / "capture.mitm"], tmp_path / "db.duckdb", qwen_retokenizer(),
+                       missing_reward="fill:0").calls == 0
 
 
 def test_reconstruct_cli_and_stats(tmp_path):

@@ -13,7 +13,8 @@ from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows, trainabl
 
 
 def run(tmp_path: Path, retok, **kw):
-    return reconstruct([tmp_path / "flows"], tmp_path / "db.duckdb", retok, missing_reward=kw.pop("missing_reward", "keep"), **kw)
+    return reconstruct([tmp_path / "flows"], tmp_path / "db.duckdb", retok,
+                       missing_reward=kw.pop("missing_reward", "keep"), **kw)
 
 
 def segments(sample: dict) -> list[list[int]]:
@@ -113,7 +114,8 @@ def test_reconstruct_retry_shares_prefix_but_trains_it_once(tmp_path, retok):
     f = FlowFactory(tmp_path / "flows", seed=5)
     first = f.tool_loop("ep", turns=1)
     body = json.loads(first[1]["upstream_request"]["body"])
-    retry = f.chat(body["messages"], {"content": "Different answer.", "reasoning_content": "again"}, tools=[BASH], episode="ep")
+    retry = f.chat(body["messages"], {"content": "Different answer.", "reasoning_content": "again"}, tools=[BASH],
+                   episode="ep")
     f.write(retry)
     f.close()
     s = run(tmp_path, retok)
@@ -122,7 +124,8 @@ def test_reconstruct_retry_shares_prefix_but_trains_it_once(tmp_path, retok):
     segs = [segments(x) for x in samples]
     assert segs[0] == f.completions[:2] and segs[1] == [f.completions[2]]
     shared = len(f.completions[0])
-    assert samples[0]["input_ids"][: samples[1]["n_tokens"] - shared] == samples[1]["input_ids"][: samples[1]["n_tokens"] - shared]
+    assert (samples[0]["input_ids"][: samples[1]["n_tokens"] - shared]
+            == samples[1]["input_ids"][: samples[1]["n_tokens"] - shared])
 
 
 def test_reconstruct_bad_input_goes_to_skipped(tmp_path, retok):
@@ -155,7 +158,8 @@ def test_reconstruct_bad_input_goes_to_skipped(tmp_path, retok):
     f.write(variant(complete=False))
     f.write(variant(body=b'{"choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, '
                          b'"finish_reason": "stop", "token_ids": [7, 2]}], "prompt_token_ids": [1, "x", 3]}'))
-    stream = f.chat([{"role": "user", "content": "hi"}], {"content": "cut", "reasoning_content": "r"}, stream=True, episode="y")
+    stream = f.chat([{"role": "user", "content": "hi"}], {"content": "cut", "reasoning_content": "r"}, stream=True,
+                    episode="y")
     stream["response"]["chunks"] = stream["response"]["chunks"][:2]  # no finish_reason ever arrived
     f.write(stream)
     [path] = f.close()
@@ -163,7 +167,8 @@ def test_reconstruct_bad_input_goes_to_skipped(tmp_path, retok):
         fh.write(b"\x8f\xa4type\xa8exchange\xa2id")
     (tmp_path / "flows" / "garbage.flows").write_bytes(b"\x00\x01not msgpack at all")
     s = run(tmp_path, retok)
-    reasons = {r["reason"]: r["n"] for r in db_rows(tmp_path / "db.duckdb", "SELECT reason, count(*) n FROM skipped GROUP BY 1")}
+    skipped = db_rows(tmp_path / "db.duckdb", "SELECT reason, count(*) n FROM skipped GROUP BY 1")
+    reasons = {r["reason"]: r["n"] for r in skipped}
     assert reasons == {
         "non_json_body": 2, "engine_error": 1, "no_choices": 1, "not_llm_call": 1, "incomplete": 1,
         "truncated_stream": 1, "torn_record": 1, "unreadable_file": 1, "bad_token_ids": 1,
@@ -194,7 +199,8 @@ def test_reconstruct_reingest_adds_nothing_and_growth_rebuilds(tmp_path, retok):
     assert s.episodes == 1 and count()["episodes"] == 2
     eps = {e["episode_id"]: e for e in db_rows(tmp_path / "db.duckdb", "SELECT * FROM episodes")}
     assert eps["ep1"]["advantage"] > 0 > eps["ep2"]["advantage"]  # the older episode's advantage was updated
-    adv = {r["episode_id"]: r["advantage"] for r in db_rows(tmp_path / "db.duckdb", "SELECT episode_id, advantage FROM samples")}
+    sample_rows = db_rows(tmp_path / "db.duckdb", "SELECT episode_id, advantage FROM samples")
+    adv = {r["episode_id"]: r["advantage"] for r in sample_rows}
     assert adv == {k: v["advantage"] for k, v in eps.items()}
 
 

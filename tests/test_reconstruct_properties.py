@@ -90,8 +90,9 @@ message = st.fixed_dictionaries(
         "tool_call_id": st.sampled_from(["t0", "t1"]),
         "tool_calls": st.lists(
             st.fixed_dictionaries({"id": st.sampled_from(["c0", "c1"]), "type": st.just("function"),
-                                   "function": st.fixed_dictionaries({"name": st.sampled_from(["bash", "ls"]),
-                                                                      "arguments": st.sampled_from(['{"a": 1}', '{"a":1}', "x"])})}),
+                                   "function": st.fixed_dictionaries({
+                                       "name": st.sampled_from(["bash", "ls"]),
+                                       "arguments": st.sampled_from(['{"a": 1}', '{"a":1}', "x"])})}),
             max_size=2),
     },
 )
@@ -99,7 +100,8 @@ _HASHER = ChainHasher(max_chars=2_000)  # shared across examples (memo hits), an
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(message, max_size=6), st.sampled_from([None, [], [{"type": "function", "function": {"name": "bash"}}]]), message)
+@given(st.lists(message, max_size=6), st.sampled_from([None, [], [{"type": "function", "function": {"name": "bash"}}]]),
+       message)
 def test_reconstruct_memoised_hashes_equal_chain_hashes(messages, tools, completion):
     """The incremental hasher stores exactly what `chain_hashes` defines (hashes persist across runs)."""
     expected = (*chain_hashes(messages, tools, completion, loose_message),

@@ -49,7 +49,8 @@ def test_prompts_stored_as_suffixes_rebuild_the_same_samples(tmp_path, retok, mo
     assert full == usage and stored < full / 3  # every prompt token accounted for, most stored once
     monkeypatch.setattr(PrefixSplitter, "split", no_split)
     run(tmp_path / "whole.duckdb", tmp_path / "flows", retok)
-    assert db_rows(tmp_path / "whole.duckdb", "SELECT count(*) n FROM call_tokens WHERE prefix_call_id IS NOT NULL")[0]["n"] == 0
+    prefixed = "SELECT count(*) n FROM call_tokens WHERE prefix_call_id IS NOT NULL"
+    assert db_rows(tmp_path / "whole.duckdb", prefixed)[0]["n"] == 0
     a, b = (json.dumps(db_rows(tmp_path / f"{n}.duckdb", SAMPLES), default=str) for n in ("split", "whole"))
     assert a == b and len(json.loads(a)) >= 4
 
@@ -58,7 +59,8 @@ def test_prompt_ids_parsed_only_past_the_previous_call_give_the_same_samples(tmp
     corpus(tmp_path / "flows")
     tails = []
     tail_after = RawIds.tail_after
-    monkeypatch.setattr(RawIds, "tail_after", lambda self, earlier: tails.append(tail_after(self, earlier)) or tails[-1])
+    monkeypatch.setattr(RawIds, "tail_after",
+                        lambda self, earlier: tails.append(tail_after(self, earlier)) or tails[-1])
     run(tmp_path / "text.duckdb", tmp_path / "flows", retok)
     assert sum(t is not None for t in tails) >= 4  # streamed and not: the shortcut was taken
     monkeypatch.setattr(protocols, "_loads_answer", protocols._loads)  # every id parsed, as before
@@ -146,12 +148,14 @@ def test_splitter_forgets_old_episodes_and_expand_resolves_any_order():
     rows = [  # stored form, the latest call first: expand must follow prefixes, not row order
         {"call_id": "c3", "prefix_call_id": "c2", "prefix_len": 3, "prompt_ids": ids(9), "completion_ids": ids(10)},
         {"call_id": "c2", "prefix_call_id": "c1", "prefix_len": 2, "prompt_ids": ids(7), "completion_ids": ids(8)},
-        {"call_id": "c1", "prefix_call_id": None, "prefix_len": None, "prompt_ids": ids(1, 2), "completion_ids": ids(3)},
+        {"call_id": "c1", "prefix_call_id": None, "prefix_len": None, "prompt_ids": ids(1, 2),
+         "completion_ids": ids(3)},
     ]
     expand(rows)
     assert [r["prompt_ids"].tolist() for r in rows] == [[1, 2, 7, 9], [1, 2, 7], [1, 2]]
     with pytest.raises(ValueError, match="not in its episode"):
-        expand([{"call_id": "x", "prefix_call_id": "gone", "prefix_len": 1, "prompt_ids": ids(1), "completion_ids": ids(2)}])
+        expand([{"call_id": "x", "prefix_call_id": "gone", "prefix_len": 1, "prompt_ids": ids(1),
+                 "completion_ids": ids(2)}])
 
 
 def test_run_dying_mid_file_resumes_after_the_last_committed_batch(tmp_path, retok, monkeypatch):

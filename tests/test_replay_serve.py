@@ -16,7 +16,8 @@ from tests.support.toolchain_flows import chat_stream_events, exchange, sse, wri
 
 SYSTEM = {"role": "system", "content": "You are a shell agent."}
 USER = {"role": "user", "content": "List the files."}
-TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}}}}]
 CALL = {"id": "call_1", "name": "bash", "arguments": '{"command": "ls"}'}
 ASSISTANT = {"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]}
@@ -101,7 +102,8 @@ def test_replay_anthropic_matches_despite_cache_control_and_errors_in_its_protoc
 def test_replay_repeated_conversation_served_in_recorded_order(tmp_path: Path) -> None:
     body = {"model": "m", "messages": [USER]}
     answers = [{"choices": [{"index": 0, "message": {"role": "assistant", "content": t}}]} for t in ("a", "b")]
-    trace = write_trace(tmp_path / "t", [exchange(body, response_body=a, t_start=1000.0 + i) for i, a in enumerate(answers)])
+    trace = write_trace(tmp_path / "t",
+                        [exchange(body, response_body=a, t_start=1000.0 + i) for i, a in enumerate(answers)])
     with ReplayServer(ReplayIndex.build(load_exchanges([trace])), speed=None) as srv:
         got = [httpx.post(srv.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
                for _ in range(3)]

@@ -52,7 +52,8 @@ def tool_results(body: dict[str, Any]) -> list[str]:
         if m.get("role") == "tool":
             out.append(json.dumps(m.get("content")))
         if isinstance(m.get("content"), list):
-            out += [json.dumps(b.get("content")) for b in m["content"] if isinstance(b, dict) and b.get("type") == "tool_result"]
+            out += [json.dumps(b.get("content")) for b in m["content"]
+                    if isinstance(b, dict) and b.get("type") == "tool_result"]
     for item in body.get("input") or []:
         if isinstance(item, dict) and item.get("type") == "function_call_output":
             out.append(json.dumps(item.get("output")))

@@ -22,11 +22,13 @@ pytestmark = pytest.mark.addon
 
 ARGS = '{"command": "ls -la", "description": "Liste — ✓"}'
 ENGINE_DELTAS = [{"reasoning_content": "Need a listing."}, {"content": "Listing "}, {"content": "now."},
-                 *tool_call_deltas(0, "call_k1", "Bash", ARGS), *tool_call_deltas(1, "call_k2", "Bash", '{"command": "pwd"}')]
+                 *tool_call_deltas(0, "call_k1", "Bash", ARGS),
+                 *tool_call_deltas(1, "call_k2", "Bash", '{"command": "pwd"}')]
 CHAT_ANSWER = {"id": "chatcmpl-ns", "created": 1760000000, "model": "engine",
                "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
                    "role": "assistant", "content": "Listing now.", "reasoning_content": "Need a listing.",
-                   "tool_calls": [{"id": "call_k1", "type": "function", "function": {"name": "Bash", "arguments": ARGS}}]}}],
+                   "tool_calls": [{"id": "call_k1", "type": "function",
+                                   "function": {"name": "Bash", "arguments": ARGS}}]}}],
                "usage": {"prompt_tokens": 30, "completion_tokens": 9, "total_tokens": 39,
                          "prompt_tokens_details": {"cached_tokens": 8}}}
 
@@ -40,7 +42,8 @@ class _Proxy(BaseHTTPRequestHandler):
         chat, _ = request_to_chat(protocol, body)
         assert chat["messages"], "translated request lost its messages"
         if self.server.fail:  # type: ignore[attr-defined]
-            self._send(400, "application/json", json.dumps(error_body(protocol, 400, "tool type 'web_search' is not supported")).encode())
+            refusal = error_body(protocol, 400, "tool type 'web_search' is not supported")
+            self._send(400, "application/json", json.dumps(refusal).encode())
             return
         if not body.get("stream"):
             self._send(200, "application/json", json.dumps(response_from_chat(protocol, CHAT_ANSWER, body)).encode())

@@ -251,8 +251,10 @@ CHAT_RESPONSE = {
                  "logprobs": {"content": [{"token": "token_id:5", "logprob": -0.1}]},
                  "message": {"role": "assistant", "content": "Two calls.", "reasoning_content": "think",
                              "tool_calls": [
-                                 {"id": "call_1", "type": "function", "function": {"name": "Bash", "arguments": ARGS_A}},
-                                 {"id": "call_2", "type": "function", "function": {"name": "Read", "arguments": ARGS_B}}]}}],
+                                 {"id": "call_1", "type": "function",
+                                  "function": {"name": "Bash", "arguments": ARGS_A}},
+                                 {"id": "call_2", "type": "function",
+                                  "function": {"name": "Read", "arguments": ARGS_B}}]}}],
     "usage": {"prompt_tokens": 50, "completion_tokens": 20, "total_tokens": 70,
               "prompt_tokens_details": {"cached_tokens": 32}, "completion_tokens_details": {"reasoning_tokens": 4}},
 }

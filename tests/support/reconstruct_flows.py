@@ -49,7 +49,8 @@ def generated_text(reasoning: str, content: str, tool_calls: list[dict[str, Any]
     for i, tc in enumerate(tool_calls):
         if i or content:
             out += "\n"
-        out += f'<tool_call>\n{{"name": "{tc["function"]["name"]}", "arguments": {tc["function"]["arguments"]}}}\n</tool_call>'
+        out += (f'<tool_call>\n{{"name": "{tc["function"]["name"]}", '
+                f'"arguments": {tc["function"]["arguments"]}}}\n</tool_call>')
     return out + "<|im_end|>"
 
 
@@ -88,7 +89,8 @@ class FlowFactory:
         """
         prompt = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         prompt_ids = self.tok.encode(prompt, add_special_tokens=False)
-        text = generated_text(assistant.get("reasoning_content", ""), assistant.get("content") or "", assistant.get("tool_calls") or [])
+        text = generated_text(assistant.get("reasoning_content", ""), assistant.get("content") or "",
+                              assistant.get("tool_calls") or [])
         if finish == "length":
             text = text.removesuffix("<|im_end|>")
         ids = self.tok.encode(text, add_special_tokens=False)
@@ -103,7 +105,8 @@ class FlowFactory:
         response: HttpResponse
         if stream:
             response = {"status": 200, "headers": [["content-type", "text/event-stream"]], "body": None,
-                        "chunks": self._sse_chunks(assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish, usage),
+                        "chunks": self._sse_chunks(assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish,
+                                                   usage),
                         "streamed": True}
         else:
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish,
@@ -119,7 +122,8 @@ class FlowFactory:
         return self._exchange("chat", body, upstream, response, episode, engine_ids, role, toolchain)
 
     def _sse_chunks(self, assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish, usage) -> list[list[Any]]:
-        deltas: list[dict[str, Any]] = [{"role": "assistant", "reasoning_content": assistant.get("reasoning_content", "")}]
+        deltas: list[dict[str, Any]] = [
+            {"role": "assistant", "reasoning_content": assistant.get("reasoning_content", "")}]
         if assistant.get("content"):
             deltas.append({"content": assistant["content"]})
         for i, tc in enumerate(assistant.get("tool_calls") or []):
@@ -149,7 +153,8 @@ class FlowFactory:
             rest = [i for p in pieces[len(deltas) + 1:] for i in p]
             events[-1]["choices"][0]["token_ids"] += rest
             if logprobs:
-                events[-1]["choices"][0]["logprobs"]["content"] += [{"token": str(i), "logprob": lp} for i, lp in zip(rest, lps[-len(rest):])]
+                events[-1]["choices"][0]["logprobs"]["content"] += [
+                    {"token": str(i), "logprob": lp} for i, lp in zip(rest, lps[-len(rest):])]
         events.append({"id": "chatcmpl-x", "object": "chat.completion.chunk", "choices": [], "usage": usage})
         stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
         offsets = sorted(self.wire_rng.sample(range(1, len(stream)), 5))
@@ -160,7 +165,8 @@ class FlowFactory:
                   toolchain: str = "openai-python") -> ExchangeRecord:
         self.seq += 1
         self.t += 1.0
-        req = {"method": "POST", "url": "http://127.0.0.1:8000/v1/chat/completions", "headers": [["content-type", "application/json"]]}
+        req = {"method": "POST", "url": "http://127.0.0.1:8000/v1/chat/completions",
+               "headers": [["content-type", "application/json"]]}
         return {
             "type": "exchange", "id": uuid.uuid4().hex, "proxy": self.writer.instance, "seq": self.seq,
             "t_start": self.t, "t_first_byte": self.t + 0.1, "t_end": self.t + 0.5, "complete": True,
@@ -204,11 +210,14 @@ class FlowFactory:
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": task}]
         records = []
         for turn in range(turns + 1):
-            reasoning = f"Step {turn}: I should {'look around' if turn < turns else 'answer'} ({self.rng.randint(0, 999)})."
+            reasoning = (f"Step {turn}: I should {'look around' if turn < turns else 'answer'} "
+                         f"({self.rng.randint(0, 999)}).")
             if turn < turns:
                 args = json.dumps({"command": f"ls -la dir{turn} | head -{self.rng.randint(1, 50)}"})
-                call = {"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function", "function": {"name": "bash", "arguments": args}}
-                assistant = {"content": "" if turn % 2 else "Let me check.", "reasoning_content": reasoning, "tool_calls": [call]}
+                call = {"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function",
+                        "function": {"name": "bash", "arguments": args}}
+                assistant = {"content": "" if turn % 2 else "Let me check.", "reasoning_content": reasoning,
+                             "tool_calls": [call]}
             else:
                 assistant = {"content": f"Found {self.rng.randint(1, 9)} test files.", "reasoning_content": reasoning}
             records.append(self.write(self.chat(messages, assistant, tools=[BASH], episode=episode,
@@ -220,12 +229,14 @@ class FlowFactory:
                 calls = json.loads(json.dumps(assistant["tool_calls"]))
                 if reserialise_args:
                     for c in calls:
-                        c["function"]["arguments"] = json.dumps(json.loads(c["function"]["arguments"]), separators=(",", ":"))
+                        c["function"]["arguments"] = json.dumps(json.loads(c["function"]["arguments"]),
+                                                                separators=(",", ":"))
                 echoed["tool_calls"] = calls
             messages.append(echoed)
             if turn < turns:
                 messages.append({"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"],
-                                 "content": tool_output(turn) if tool_output else f"file_{turn}.py\nfile_{turn}_test.py\n"})
+                                 "content": tool_output(turn) if tool_output
+                                 else f"file_{turn}.py\nfile_{turn}_test.py\n"})
                 if new_user_turns:
                     messages.append({"role": "user", "content": f"Good, continue with step {turn + 1}."})
         return records
