@@ -11,6 +11,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from openforge.addons.proxy import OpenForge  # noqa: E402
+from openforge.addons.proxy import OpenForge
 
 addons = [OpenForge()]

@@ -171,7 +171,7 @@ class OpenForge:
             self._answer(flow, ex, e.status, e.message, "invalid_request_error")
         except Refused as e:
             self._answer(flow, ex, e.status, e.message, e.kind)
-        except Exception as e:  # noqa: BLE001 - fail closed: answer, never forward half-processed
+        except Exception as e:  # fail closed: answer, never forward half-processed
             logger.exception(f"OpenForge: cannot process {flow.request.method} "
                              f"{wire.printable(wire.masked_url(flow.request.path))}")
             if ex is None:
@@ -216,7 +216,7 @@ class OpenForge:
             return
         try:
             self._finish(flow, ex)
-        except Exception as e:  # noqa: BLE001 - still write what we have
+        except Exception as e:  # still write what we have
             logger.exception("OpenForge: cannot finish the exchange record")
             ex.error = ex.error or f"proxy error while finishing: {type(e).__name__}: {e}"
             problem = self.recorder.write(ex, response_parts(flow, None, ex), complete=False)
@@ -401,7 +401,7 @@ class OpenForge:
             response = response_parts(flow, None, ex)
             client_response = response._replace(chunks=ex.client_chunks) if ex.client_chunks is not None else None
             problem = self.recorder.record(ex, response, client_response, None)
-        except Exception as e:  # noqa: BLE001 - never raise into mitmproxy's stream handling
+        except Exception as e:  # never raise into mitmproxy's stream handling
             logger.exception("OpenForge: cannot record a streamed exchange")
             problem = f"proxy error: {type(e).__name__}: {e}"
         status = flow.response.status_code if flow.response is not None else "ERR"

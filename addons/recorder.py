@@ -77,7 +77,7 @@ class Recorder:
             if has_ids is None:
                 has_ids = (ex.rewriter is not None and ex.rewriter.saw_ids) or stream_has_token_ids(ex.chunks)
             return self.write(ex, response, complete=True, client_response=client_response, has_ids=has_ids)
-        except Exception as e:  # noqa: BLE001 - still write what we have
+        except Exception as e:  # still write what we have
             logger.exception("OpenForge: cannot write the exchange record")
             ex.error = ex.error or f"proxy error while recording: {type(e).__name__}: {e}"
             return self.write(ex, None, complete=False)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import proxy_overhead as po  # noqa: E402
+from bench import proxy_overhead as po
 
 ANSWER_HOOK = """from mitmproxy import http
 BODY = (b'{"id":"c","object":"chat.completion","model":"scripted-model","choices":[{"index":0,'

@@ -36,7 +36,7 @@ CHAT_ANSWER = {"id": "chatcmpl-ns", "created": 1760000000, "model": "engine",
 class _Proxy(BaseHTTPRequestHandler):
     """Answers /v1/messages and /v1/responses by translating a canned engine answer."""
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server API)
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         protocol = "anthropic" if self.path.startswith("/v1/messages") else "responses"
         chat, _ = request_to_chat(protocol, body)

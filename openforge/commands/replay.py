@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(replay_app, name="replay")
 
 
-def _load(trace: list[Path]):  # noqa: ANN202 - returns the replay module's exchange list
+def _load(trace: list[Path]):  # the replay module's exchange list; imported only when a command runs
     from openforge.replay import ReplayError, load_exchanges
 
     try:
