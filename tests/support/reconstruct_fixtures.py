@@ -1,4 +1,4 @@
-"""Session-scoped fixtures for the reconstruct tests: import them into a test module to use them.
+"""Session-scoped fixtures for the reconstruct tests, registered for every test module by `tests/conftest.py`.
 
 Loading the Qwen3 tokenizer costs seconds (more on a loaded machine); every reconstruct test module
 shares the one `load_tokenizer` caches, and one `Retokenizer` whose segment cache is safe to share
