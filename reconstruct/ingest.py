@@ -30,7 +30,7 @@ from openforge.reconstruct import store
 from openforge.reconstruct.episodes import ChainHasher, Linker
 from openforge.reconstruct.mitm_flows import MitmFile, is_mitm_file
 from openforge.reconstruct.prefixes import PrefixSplitter, int32
-from openforge.reconstruct.protocols import Call, RawIds, Skip, parse_record
+from openforge.reconstruct.protocols import Call, RawIds, Skip, parse_choices
 from openforge.reconstruct.rewards import BadReward, check_reward
 from openforge.reconstruct.summary import Summary
 from openforge.reconstruct.tokenize import Retokenizer
@@ -96,6 +96,7 @@ class Ingest:
         self.touched: set[str] = set()
         self.seen: set[str] = set()
         self.file_id = ""  # of the file being read
+        self.record_calls: list[str] = []  # the calls of the record being read that reached the prefix splitter
         self.bufs: dict[str, store.Buffer] = {}  # its rows not inserted yet
 
     def file(self, path: Path) -> None:
@@ -126,6 +127,7 @@ class Ingest:
                         continue
                     self.summary.records += 1
                     mark = {name: b.n for name, b in self.bufs.items()}
+                    self.record_calls = []
                     try:
                         self._record(rec)
                     except Exception as e:  # noqa: BLE001 - one bad record is skipped, never the run
@@ -197,13 +199,14 @@ class Ingest:
 
     def _skip_failed(self, rec: Mapping[str, Any], error: Exception, mark: dict[str, int]) -> None:
         """Skip a record that raised half-way as `malformed_record`, dropping what it had buffered (so its call
-        and token rows go together) and its call from the prefix splitter (no later prompt is stored as a
-        suffix of a call that is not stored). Conversation messages stay: they are shared by content, and
-        later calls refer to them."""
+        and token rows go together) and its calls (one per choice) from the prefix splitter (no later prompt is
+        stored as a suffix of a call that is not stored). Conversation messages stay: they are shared by
+        content, and later calls refer to them."""
         for name, n in mark.items():
             if name != "call_messages":
                 self.bufs[name].truncate(n)
-        self.prefixes.forget(str(rec.get("id")))
+        for call_id in self.record_calls:
+            self.prefixes.forget(call_id)
         self._skip(rec.get("id"), "malformed_record", f"{type(error).__name__}: {error}")
 
     def _commit_batch(self, path: Path, index: int) -> None:
@@ -254,9 +257,25 @@ class Ingest:
         self.summary.rewards += 1
 
     def _exchange(self, rec: ExchangeRecord) -> None:
+        """Every choice of the answer becomes a call (a choice that cannot: a `skipped` row of its own)."""
+        try:
+            choices = parse_choices(rec)
+        except Skip as s:
+            self._skip_row(rec.get("id"), s)
+            return
+        for call in choices:
+            if isinstance(call, Skip):
+                self._skip_row(call.call_id, call)
+            else:
+                self._call(rec, call)
+
+    def _skip_row(self, record_id: Any, s: Skip) -> None:
+        self.bufs["skipped"].add(file_id=self.file_id, record_id=record_id, reason=s.reason, detail=s.detail)
+        self.summary.skipped[s.reason] += 1
+
+    def _call(self, rec: ExchangeRecord, call: Call) -> None:
         bufs, summary = self.bufs, self.summary
         try:
-            call = parse_record(rec)
             if call.call_id in self.seen:
                 raise Skip("duplicate_record", f"record id {call.call_id} was already read in this run")
             self.seen.add(call.call_id)
@@ -265,8 +284,7 @@ class Ingest:
                            f"{len(call.images)} image(s): vision-language samples do not exist yet")
             prompt_ids, completion_ids, source = token_ids(call, self.retok)
         except Skip as s:
-            bufs["skipped"].add(file_id=self.file_id, record_id=rec.get("id"), reason=s.reason, detail=s.detail)
-            summary.skipped[s.reason] += 1
+            self._skip_row(call.call_id, s)
             return
         messages = call.messages
         if messages is None:
@@ -279,15 +297,15 @@ class Ingest:
         if recorded:
             episode, linked_by = str(recorded), "recorded"
         else:
-            episode, linked_by = self.linker.assign(call.call_id, conv, conv_end), "conversation"
+            # linked by the record id: a record's choices share their prompt, so they share its episode
+            episode, linked_by = self.linker.assign(str(rec["id"]), conv, conv_end), "conversation"
         logprobs = call.engine_logprobs if call.engine_completion_ids is not None else None
         try:  # numpy from here on: 4 bytes a token in the buffers instead of a Python int object
             completion = int32(completion_ids)
+            self.record_calls.append(call.call_id)
             prefix_id, prefix_len, suffix = self.prefixes.split(episode, call.call_id, prompt_ids, completion)
         except ValueError as e:
-            bufs["skipped"].add(file_id=self.file_id, record_id=rec.get("id"), reason="bad_token_ids",
-                                detail=str(e)[:300])
-            summary.skipped["bad_token_ids"] += 1
+            self._skip_row(call.call_id, Skip("bad_token_ids", str(e)[:300]))
             return
         lps = None if logprobs is None else np.asarray(logprobs, np.float32)
         rendered = len(prompt_ids) if not isinstance(prompt_ids, RawIds) else None

@@ -28,12 +28,14 @@ except ImportError:  # optional speed-up; the stdlib parses the same documents
     orjson = None  # type: ignore[assignment]
 
 class Skip(Exception):
-    """A record that cannot become a training call; `reason` is a short class for the skipped table."""
+    """A record (or one choice of it) that cannot become a training call; `reason` is a short class for the
+    skipped table, `call_id` the call it would have been (None: the whole record)."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(self, reason: str, detail: str = "", call_id: str | None = None) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail[:500]
+        self.call_id = call_id
 
 
 @dataclass
@@ -126,7 +128,16 @@ def _ids(ids: Any) -> list[int] | RawIds | None:
 
 
 def parse_record(rec: ExchangeRecord) -> Call:
-    """Canonicalise an exchange record, or raise Skip."""
+    """Canonicalise an exchange record's first choice (the one a client with n = 1 gets), or raise Skip."""
+    first = parse_choices(rec)[0]
+    if isinstance(first, Skip):
+        raise first
+    return first
+
+
+def parse_choices(rec: ExchangeRecord) -> list[Call | Skip]:
+    """One call per choice of the answer (a Chat or Completions request with `n > 1` gets several), in
+    index order; a choice that cannot become a call is its Skip. Raises Skip for the whole record."""
     if not isinstance(rec.get("id"), str) or not rec["id"]:
         raise Skip("malformed_record", f"record id {rec.get('id')!r} is not a string")  # calls are keyed by it
     protocol = rec.get("protocol")
@@ -152,11 +163,18 @@ def parse_record(rec: ExchangeRecord) -> Call:
     parser = _PARSERS.get(engine_protocol)
     if parser is None:
         raise Skip("unknown_protocol", f"engine protocol {engine_protocol!r}")
-    call = parser(rec, request, raw, streamed, images)
-    call.status = status
-    call.protocol = protocol  # what the client spoke; the engine side may have been translated to chat
-    call.images = images
-    return call
+    calls = parser(rec, request, raw, streamed, images)
+    for call in calls:
+        if isinstance(call, Call):
+            call.status = status
+            call.protocol = protocol  # what the client spoke; the engine side may have been translated to chat
+            call.images = images
+    return calls
+
+
+def choice_call_id(record_id: str, index: int) -> str:
+    """The call id of a record's choice: the record id for choice 0 (so n = 1 reads as ever), else `id#k`."""
+    return record_id if index == 0 else f"{record_id}#{index}"
 
 
 def _response_bytes(response: HttpResponse) -> bytes:
@@ -269,8 +287,54 @@ def assistant_message(text: str, reasoning: str | None, tool_calls: list[dict[st
     return msg
 
 
-def _base(rec: ExchangeRecord, protocol: str, streamed: bool) -> dict[str, Any]:
-    return {"call_id": str(rec.get("id")), "protocol": protocol, "streamed": streamed, "status": None}
+def _base(rec: ExchangeRecord, index: int, protocol: str, streamed: bool) -> dict[str, Any]:
+    return {"call_id": choice_call_id(str(rec.get("id")), index), "protocol": protocol, "streamed": streamed,
+            "status": None}
+
+
+@dataclass
+class _Choice:
+    """One choice of a Chat or Completions answer, as its parts arrive (a stream interleaves choices by index)."""
+
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_slots: dict[int, dict[str, Any]] = field(default_factory=dict)  # streamed tool calls by their index
+    message: dict[str, Any] | None = None  # a whole answer's assistant message
+    prompt_ids: Any = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    lp_ids: list[int | None] = field(default_factory=list)  # llama.cpp's token id in each logprobs entry
+    finish: str | None = None
+
+    def add_delta(self, delta: dict[str, Any]) -> None:
+        self.text.append(delta.get("content") or "")
+        self.reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+        for tc in delta.get("tool_calls") or []:
+            slot = self.tool_slots.setdefault(tc.get("index", 0), {"id": None, "name": "", "args": []})
+            slot["id"] = tc.get("id") or slot["id"]
+            fn = tc.get("function") or {}
+            slot["name"] += fn.get("name") or ""
+            slot["args"].append(fn.get("arguments") or "")
+
+    def assistant(self) -> dict[str, Any]:
+        if self.message is not None:
+            return self.message
+        tool_calls = [_tool_call(s["id"], s["name"], "".join(s["args"])) for _, s in sorted(self.tool_slots.items())]
+        return assistant_message("".join(self.text), "".join(self.reasoning) or None, tool_calls)
+
+    def logprobs_if_aligned(self) -> list[float] | None:
+        return self.logprobs if self.ids and len(self.logprobs) == len(self.ids) else None
+
+
+def _completion_tokens(usage: dict[str, Any], choices: dict[int, _Choice], choice: _Choice) -> Any:
+    """`usage` counts every choice's tokens: with several, a choice's own count is its engine ids (or unknown)."""
+    if len(choices) == 1:
+        return usage.get("completion_tokens")
+    return len(choice.ids) or None
+
+
+def _unfinished(call_id: str) -> Skip:
+    return Skip("truncated_stream", "stream ended without a finish_reason", call_id)
 
 
 # ---------------------------------------------------------------- Chat Completions
@@ -304,13 +368,11 @@ def _chat_tools(request: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def _parse_chat(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, streamed: bool,
-                images: list[Image]) -> Call:
+                images: list[Image]) -> list[Call | Skip]:
+    choices: dict[int, _Choice] = {}
+    usage: dict[str, Any] = {}
+    prompt_ids, sgl = None, {}
     if streamed:
-        text, reasoning, finish = [], [], None
-        calls_by_index: dict[int, dict[str, Any]] = {}
-        usage: dict[str, Any] = {}
-        prompt_ids, comp_ids, logprobs, lp_ids, sgl = None, [], [], [], {}
-        saw_choice = False
         for _, chunk in _sse_json(raw):
             if chunk.get("prompt_token_ids") is not None and prompt_ids is None:
                 prompt_ids = chunk["prompt_token_ids"]
@@ -319,117 +381,112 @@ def _parse_chat(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, stream
             if chunk.get("sglext"):
                 sgl.update(chunk["sglext"])
             for choice in chunk.get("choices") or []:
-                if choice.get("index", 0) != 0:
-                    continue
-                saw_choice = True
-                delta = choice.get("delta") or {}
-                text.append(delta.get("content") or "")
-                reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
-                for tc in delta.get("tool_calls") or []:
-                    slot = calls_by_index.setdefault(tc.get("index", 0), {"id": None, "name": "", "args": []})
-                    slot["id"] = tc.get("id") or slot["id"]
-                    fn = tc.get("function") or {}
-                    slot["name"] += fn.get("name") or ""
-                    slot["args"].append(fn.get("arguments") or "")
-                if choice.get("prompt_token_ids") is not None and prompt_ids is None:
-                    prompt_ids = choice["prompt_token_ids"]
-                comp_ids.extend(engine_ids.vllm_completion_ids(choice))
+                part = choices.setdefault(choice.get("index", 0), _Choice())
+                part.add_delta(choice.get("delta") or {})
+                if choice.get("prompt_token_ids") is not None and part.prompt_ids is None:
+                    part.prompt_ids = choice["prompt_token_ids"]
+                part.ids.extend(engine_ids.vllm_completion_ids(choice))
                 lps, ids = engine_ids.chat_logprobs(choice.get("logprobs"))
-                logprobs.extend(lps)
-                lp_ids.extend(ids)
-                finish = choice.get("finish_reason") or finish
-        if not saw_choice and raw.rstrip().endswith(b"[DONE]"):
-            raise Skip("no_choices", "stream carried no choices")
-        if finish is None:
+                part.logprobs.extend(lps)
+                part.lp_ids.extend(ids)
+                part.finish = choice.get("finish_reason") or part.finish
+        if not choices:
+            if raw.rstrip().endswith(b"[DONE]"):
+                raise Skip("no_choices", "stream carried no choices")
             raise Skip("truncated_stream", "stream ended without a finish_reason")
-        tool_calls = [
-            _tool_call(s["id"], s["name"], "".join(s["args"])) for _, s in sorted(calls_by_index.items())
-        ]
-        message = assistant_message("".join(text), "".join(reasoning) or None, tool_calls)
     else:
         body = _json_body(raw, "response", _loads_answer)
         if not isinstance(body, dict) or not body.get("choices"):
             raise Skip("no_choices", f"response has no choices: {raw[:200]!r}")
-        choice = body["choices"][0]
-        m = choice.get("message") or {}
-        tool_calls = [
-            _tool_call(tc.get("id"), tc["function"]["name"], tc["function"].get("arguments", ""))
-            for tc in m.get("tool_calls") or []
-        ]
-        message = assistant_message(
-            m.get("content") or "", m.get("reasoning_content") or m.get("reasoning"), tool_calls
-        )
-        finish, usage, sgl = choice.get("finish_reason"), body.get("usage") or {}, body.get("sglext") or {}
-        prompt_ids = engine_ids.vllm_prompt_ids(body, choice)
-        comp_ids = engine_ids.vllm_completion_ids(choice)
-        logprobs, lp_ids = engine_ids.chat_logprobs(choice.get("logprobs"))
+        usage, sgl = body.get("usage") or {}, body.get("sglext") or {}
+        for k, choice in enumerate(body["choices"]):  # a whole answer lists its choices in index order
+            m = choice.get("message") or {}
+            tool_calls = [
+                _tool_call(tc.get("id"), tc["function"]["name"], tc["function"].get("arguments", ""))
+                for tc in m.get("tool_calls") or []
+            ]
+            lps, ids = engine_ids.chat_logprobs(choice.get("logprobs"))
+            choices[k] = _Choice(
+                message=assistant_message(m.get("content") or "", m.get("reasoning_content") or m.get("reasoning"),
+                                          tool_calls),
+                prompt_ids=engine_ids.vllm_prompt_ids(body, choice), ids=engine_ids.vllm_completion_ids(choice),
+                logprobs=lps, lp_ids=ids, finish=choice.get("finish_reason"),
+            )
     sgl_prompt, sgl_completion = engine_ids.sglang_ids(sgl)
-    prompt_ids = prompt_ids or sgl_prompt
-    comp_ids = comp_ids or sgl_completion or engine_ids.llamacpp_completion_ids(lp_ids, usage)
-    return Call(
-        **_base(rec, "chat", streamed),
-        messages=_chat_messages(request, images),
-        tools=_chat_tools(request),
-        completion=message,
-        finish_reason=finish,
-        prompt_tokens=usage.get("prompt_tokens"),
-        completion_tokens=usage.get("completion_tokens"),
-        engine_prompt_ids=_ids(prompt_ids),
-        engine_completion_ids=list(comp_ids) if comp_ids else None,
-        engine_logprobs=logprobs if comp_ids and len(logprobs) == len(comp_ids) else None,
-    )
+    messages, tools = _chat_messages(request, images), _chat_tools(request)
+    out: list[Call | Skip] = []
+    for index, part in sorted(choices.items()):
+        base = _base(rec, index, "chat", streamed)
+        if streamed and part.finish is None:
+            out.append(_unfinished(base["call_id"]))
+            continue
+        if not part.ids and len(choices) == 1:  # SGLang's and llama.cpp's ids cannot be told apart per choice
+            part.ids = sgl_completion or engine_ids.llamacpp_completion_ids(part.lp_ids, usage)
+        out.append(Call(
+            **base,
+            messages=messages,
+            tools=tools,
+            completion=part.assistant(),
+            finish_reason=part.finish,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=_completion_tokens(usage, choices, part),
+            engine_prompt_ids=_ids(part.prompt_ids or prompt_ids or sgl_prompt),
+            engine_completion_ids=list(part.ids) if part.ids else None,
+            engine_logprobs=part.logprobs_if_aligned(),
+        ))
+    return out
 
 
 # ---------------------------------------------------------------- Completions
 
 
 def _parse_completions(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, streamed: bool,
-                       images: list[Image]) -> Call:
+                       images: list[Image]) -> list[Call | Skip]:
     prompt = request.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
-    prompt_ids = prompt if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt) else None
-    if prompt_ids is None and not isinstance(prompt, str):
+    request_ids = prompt if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt) else None
+    if request_ids is None and not isinstance(prompt, str):
         raise Skip("unsupported_request", "completions prompt is neither text nor token ids")
-    text: list[str] = []
-    comp_ids: list[int] = []
-    logprobs: list[float] = []
+    choices: dict[int, _Choice] = {}
     usage: dict[str, Any] = {}
-    finish = None
     bodies = [c for _, c in _sse_json(raw)] if streamed else [_json_body(raw, "response", _loads_answer)]
-    saw_choice = False
     for body in bodies:
         if not isinstance(body, dict):
             continue
         usage = body.get("usage") or usage
         for choice in body.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            saw_choice = True
-            text.append(choice.get("text") or "")
-            prompt_ids = prompt_ids or body.get("prompt_token_ids") or choice.get("prompt_token_ids")
-            comp_ids.extend(choice.get("token_ids") or [])
+            part = choices.setdefault(choice.get("index", 0), _Choice())
+            part.text.append(choice.get("text") or "")
+            part.prompt_ids = part.prompt_ids or body.get("prompt_token_ids") or choice.get("prompt_token_ids")
+            part.ids.extend(choice.get("token_ids") or [])
             lp = choice.get("logprobs") or {}
-            logprobs.extend(float(x) for x in lp.get("token_logprobs") or [])
-            finish = choice.get("finish_reason") or finish
-    if not saw_choice:
+            part.logprobs.extend(float(x) for x in lp.get("token_logprobs") or [])
+            part.finish = choice.get("finish_reason") or part.finish
+    if not choices:
         raise Skip("no_choices", "completions response has no choices")
-    if streamed and finish is None:
-        raise Skip("truncated_stream", "stream ended without a finish_reason")
-    return Call(
-        **_base(rec, "completions", streamed),
-        messages=None,
-        tools=None,
-        completion=assistant_message("".join(text), None, []),
-        prompt_text=prompt if isinstance(prompt, str) else None,
-        completion_text="".join(text),
-        finish_reason=finish,
-        prompt_tokens=usage.get("prompt_tokens"),
-        completion_tokens=usage.get("completion_tokens"),
-        engine_prompt_ids=_ids(prompt_ids),
-        engine_completion_ids=comp_ids or None,
-        engine_logprobs=logprobs if comp_ids and len(logprobs) == len(comp_ids) else None,
-    )
+    out: list[Call | Skip] = []
+    for index, part in sorted(choices.items()):
+        base = _base(rec, index, "completions", streamed)
+        if streamed and part.finish is None:
+            out.append(_unfinished(base["call_id"]))
+            continue
+        text = "".join(part.text)
+        out.append(Call(
+            **base,
+            messages=None,
+            tools=None,
+            completion=assistant_message(text, None, []),
+            prompt_text=prompt if isinstance(prompt, str) else None,
+            completion_text=text,
+            finish_reason=part.finish,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=_completion_tokens(usage, choices, part),
+            engine_prompt_ids=_ids(request_ids or part.prompt_ids),
+            engine_completion_ids=part.ids or None,
+            engine_logprobs=part.logprobs_if_aligned(),
+        ))
+    return out
 
 
 # ---------------------------------------------------------------- Responses
@@ -445,7 +502,7 @@ def _proxy_conversion(convert: Callable[[dict, Drops], list[dict]], body: dict[s
 
 
 def _parse_responses(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, streamed: bool,
-                     images: list[Image]) -> Call:
+                     images: list[Image]) -> list[Call | Skip]:
     if streamed:
         final, done_items = None, []
         for name, ev in _sse_json(raw):
@@ -471,22 +528,22 @@ def _parse_responses(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, s
     tools = _proxy_conversion(responses.tools, request)
     usage = final.get("usage") or {}
     has_calls = bool(completion.get("tool_calls"))
-    return Call(
-        **_base(rec, "responses", streamed),
+    return [Call(
+        **_base(rec, 0, "responses", streamed),
         messages=messages,
         tools=tools or None,
         completion=completion,
         finish_reason="tool_calls" if has_calls else final.get("status"),
         prompt_tokens=usage.get("input_tokens"),
         completion_tokens=usage.get("output_tokens"),
-    )
+    )]
 
 
 # ---------------------------------------------------------------- Anthropic Messages
 
 
 def _parse_anthropic(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, streamed: bool,
-                     images: list[Image]) -> Call:
+                     images: list[Image]) -> list[Call | Skip]:
     if streamed:
         blocks: dict[int, dict[str, Any]] = {}
         partial: dict[int, list[str]] = {}
@@ -527,15 +584,15 @@ def _parse_anthropic(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, s
         content, stop, usage = body["content"], body.get("stop_reason"), body.get("usage") or {}
     tools = _proxy_conversion(anthropic.tools, request)
     answer = [{"role": "assistant", "content": content}]
-    return Call(
-        **_base(rec, "anthropic", streamed),
+    return [Call(
+        **_base(rec, 0, "anthropic", streamed),
         messages=_chat_messages({"messages": _proxy_conversion(anthropic.messages, request)}, images),
         tools=tools or None,
         completion=_chat_messages({"messages": _proxy_conversion(anthropic.messages, {"messages": answer})}, images)[0],
         finish_reason=stop,
         prompt_tokens=usage.get("input_tokens"),
         completion_tokens=usage.get("output_tokens"),
-    )
+    )]
 
 
 _PARSERS = {

@@ -167,5 +167,5 @@ def test_llamacpp_logprob_ids_trusted_only_when_one_per_token():
                            "usage": {"prompt_tokens": 4, "completion_tokens": n_tokens}}).encode()
 
     request = {"messages": [{"role": "user", "content": "hi"}]}
-    assert _parse_chat({"id": "x"}, request, answer(2), False, []).engine_completion_ids == [5, 249]
-    assert _parse_chat({"id": "x"}, request, answer(3), False, []).engine_completion_ids is None
+    assert _parse_chat({"id": "x"}, request, answer(2), False, [])[0].engine_completion_ids == [5, 249]
+    assert _parse_chat({"id": "x"}, request, answer(3), False, [])[0].engine_completion_ids is None

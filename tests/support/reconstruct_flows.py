@@ -64,7 +64,8 @@ class FlowFactory:
         self.wire_rng = random.Random(seed + 1)  # byte splits: depend on the encoding, kept apart from content
         self.seq = 0
         self.t = 1_700_000_000.0
-        self.completions: list[list[int]] = []  # engine completion ids of every exchange written
+        self.completions: list[list[int]] = []  # engine completion ids of every exchange (and choice) written
+        self.logprobs: list[list[float]] = []  # and their logprobs
 
     # ---- records
     def chat(
@@ -96,6 +97,7 @@ class FlowFactory:
         ids = self.tok.encode(text, add_special_tokens=False)
         lps = [-round(self.rng.random() * 3, 4) for _ in ids]
         self.completions.append(ids)
+        self.logprobs.append(lps)
         body = {"model": "qwen3", "messages": messages, "stream": stream}
         if tools:
             body["tools"] = tools
@@ -159,6 +161,83 @@ class FlowFactory:
         stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
         offsets = sorted(self.wire_rng.sample(range(1, len(stream)), 5))
         return [[self.t, stream[a:b]] for a, b in zip([0] + offsets, offsets + [len(stream)])]
+
+    def choices(
+        self,
+        messages: list[dict[str, Any]],
+        assistants: list[dict[str, Any]],
+        *,
+        protocol: str = "chat",
+        tools: list[dict[str, Any]] | None = None,
+        episode: str | None = None,
+        stream: bool = False,
+        unfinished: int | None = None,
+    ) -> ExchangeRecord:
+        """One exchange asking for `n = len(assistants)` samples, answered as vLLM 0.32 does: Chat puts
+        `prompt_token_ids` at the top (streamed: on each choice's first chunk), Completions in every choice;
+        a stream interleaves the choices' chunks by `index`, the last choice first to finish.
+        `unfinished`: that choice's stream stops before its finish_reason."""
+        prompt = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt_ids = self.tok.encode(prompt, add_special_tokens=False)
+        parts = []
+        for a in assistants:
+            text = generated_text(a.get("reasoning_content", ""), a.get("content") or "", a.get("tool_calls") or [])
+            ids = self.tok.encode(text, add_special_tokens=False)
+            lps = [-round(self.rng.random() * 3, 4) for _ in ids]
+            self.completions.append(ids)
+            self.logprobs.append(lps)
+            parts.append((a, text, ids, lps, "tool_calls" if a.get("tool_calls") else "stop"))
+        n = len(assistants)
+        body: dict[str, Any] = {"model": "qwen3", "n": n, "stream": stream}
+        body.update({"messages": messages, **({"tools": tools} if tools else {})} if protocol == "chat"
+                    else {"prompt": prompt})
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": sum(len(p[2]) for p in parts)}
+
+        def choice(i: int, lo: int, hi: int, first: bool, last: bool) -> dict[str, Any]:
+            a, text, ids, lps, finish = parts[i]
+            out: dict[str, Any] = {"index": i, "token_ids": ids[lo:hi],
+                                   "finish_reason": finish if last and i != unfinished else None}
+            if protocol == "chat":
+                out["logprobs"] = {"content": [{"token": str(t), "logprob": lp}
+                                               for t, lp in zip(ids[lo:hi], lps[lo:hi])]}
+                if stream:
+                    out["delta"] = a if first else {}
+                else:
+                    out["message"] = {"role": "assistant", **a}
+            else:
+                out["text"] = text if first else ""
+                out["logprobs"] = {"token_logprobs": lps[lo:hi]}
+                if first:
+                    out["prompt_token_ids"] = prompt_ids
+            return out
+
+        kind = "chat.completion" if protocol == "chat" else "text_completion"
+        if not stream:
+            answer: dict[str, Any] = {"id": "x", "object": kind, "usage": usage,
+                                      "choices": [choice(i, 0, len(p[2]), True, True) for i, p in enumerate(parts)]}
+            if protocol == "chat":
+                answer["prompt_token_ids"] = prompt_ids
+            response: HttpResponse = {"status": 200, "headers": [["content-type", "application/json"]],
+                                      "body": json.dumps(answer).encode(), "chunks": None, "streamed": False}
+        else:
+            events = []
+            if protocol == "chat":  # each choice's role chunk, prompt ids on each
+                events += [{"object": kind + ".chunk", "prompt_token_ids": prompt_ids,
+                            "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}
+                           for i in range(n)]
+            halves = [len(p[2]) // 2 for p in parts]
+            events += [{"object": kind, "choices": [choice(i, 0, halves[i], True, False)]} for i in range(n)]
+            events += [{"object": kind, "choices": [choice(i, halves[i], len(parts[i][2]), False, True)]}
+                       for i in reversed(range(n))]
+            events.append({"object": kind, "choices": [], "usage": usage})
+            stream_bytes = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+            stream_bytes += b"data: [DONE]\n\n"
+            cuts = sorted(self.wire_rng.sample(range(1, len(stream_bytes)), 5))
+            chunks = [[self.t, stream_bytes[a:b]] for a, b in zip([0] + cuts, cuts + [len(stream_bytes)])]
+            response = {"status": 200, "headers": [["content-type", "text/event-stream"]], "body": None,
+                        "chunks": chunks, "streamed": True}
+        upstream = dict(body, return_token_ids=True, logprobs=True if protocol == "chat" else 1)
+        return self._exchange(protocol, body, upstream, response, episode, True)
 
     def _exchange(self, protocol: str, body: dict[str, Any], upstream: dict[str, Any], response: HttpResponse,
                   episode: str | None, engine_ids: bool, role: str = "agent",
