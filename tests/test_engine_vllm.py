@@ -351,6 +351,66 @@ def test_vllm_reload_serves_new_weights(server: Server, tmp_path: Path) -> None:
     assert all(abs(restored[k] - before[k]) < 1e-3 for k in before)
 
 
+def choice_side(rec: dict[str, Any], index: int) -> tuple[list[int], list[int], list[float]]:
+    """(prompt ids, generated ids, their logprobs) of one choice of a Chat answer, as vLLM returned them."""
+    resp = rec["response"]
+    objs = (list(sse_data(b"".join(c for _, c in resp["chunks"]))) if resp["streamed"]
+            else [json.loads(resp["body"])])
+    prompt: list[int] = []
+    ids: list[int] = []
+    lps: list[float] = []
+    for obj in objs:
+        prompt = prompt or obj.get("prompt_token_ids") or []  # Chat streamed: on each choice's first chunk
+        for choice in obj.get("choices") or ():
+            if choice["index"] == index:
+                ids += choice.get("token_ids") or []
+                lps += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or ()]
+    return prompt, ids, lps
+
+
+def test_vllm_n2_every_choice_is_a_call(server: Server, start_proxy: Any, tmp_path: Path) -> None:
+    """`n: 2` Chat through the proxy (its own, so the module's records stay n = 1), streamed and not: the
+    client sees both choices without token ids or logprobs; after reconstruct each choice is a call of its
+    own (`<record id>#1` for the second), its sample's trainable tokens exactly that choice's `token_ids`
+    with its logprobs, after vLLM's `prompt_token_ids`."""
+    import duckdb
+
+    from openforge.models import hf_dir
+    from openforge.reconstruct import reconstruct
+
+    proxy = start_proxy(server.url)
+    client = oai(proxy, "n2")
+    messages = ask("Name a colour.")
+    done = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=MAX_TOKENS)
+    assert [c.index for c in done.choices] == [0, 1]
+    assert all(c.logprobs is None and "token_ids" not in (c.model_extra or {}) for c in done.choices)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=MAX_TOKENS,
+                                                 stream=True))
+    streamed = [c for chunk in chunks for c in chunk.choices]
+    assert {c.index for c in streamed} == {0, 1} and len([c for c in streamed if c.finish_reason]) == 2
+    assert not any("token_ids" in (c.model_extra or {}) or c.logprobs for c in streamed)
+    proxy.status()
+    records = engine_records(proxy.flow_dir)
+    assert len(records) == 2
+    summary = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", hf_dir(), missing_reward="fill:1")
+    assert dict(summary.skipped) == {} and summary.calls == 4, summary
+    con = duckdb.connect(str(tmp_path / "db.duckdb"), read_only=True)
+    owner = dict(con.execute("SELECT call_id, sample_id FROM calls").fetchall())
+    samples = {sid: (ids, mask, lps) for sid, ids, mask, lps in con.execute(
+        "SELECT sample_id, input_ids, loss_mask, behaviour_logprobs FROM samples").fetchall()}
+    checked = 0
+    for rec in records:
+        for k in (0, 1):
+            prompt, gen, lps = choice_side(rec, k)
+            assert prompt and gen and len(lps) == len(gen), (rec["id"], k)
+            ids, mask, behaviour = samples[owner[rec["id"] if k == 0 else f"{rec['id']}#{k}"]]
+            p, g = len(prompt), len(gen)
+            assert ids == prompt + gen and mask == [0] * p + [1] * g, (rec["id"], k)
+            assert np.array_equal(np.array(behaviour[p:], dtype=np.float32), np.array(lps, dtype=np.float32))
+            checked += g
+    print(f"\nvLLM n = 2: {len(records)} calls, {2 * len(records)} choices, {checked} trainable tokens exact")
+
+
 def test_vllm_cli_sigterm_stops_every_process(server: Server) -> None:
     """Last in the module: SIGTERM on `openforge engine` stops vLLM's server and engine core, no orphan."""
     family = descendants(server.proc.pid)
