@@ -257,24 +257,30 @@ class Ingest:
         self.summary.rewards += 1
 
     def _exchange(self, rec: ExchangeRecord) -> None:
-        """Every choice of the answer becomes a call (a choice that cannot: a `skipped` row of its own)."""
+        """Every choice of the answer becomes a call (a choice that cannot: a `skipped` row of its own).
+
+        The record's outcomes are counted once all its choices are buffered: a choice that raises drops the
+        whole record (`_skip_failed`), and then none of them was counted."""
         try:
             choices = parse_choices(rec)
         except Skip as s:
             self._skip_row(rec.get("id"), s)
             return
-        for call in choices:
-            if isinstance(call, Skip):
-                self._skip_row(call.call_id, call)
+        outcomes = [c if isinstance(c, Skip) else self._call(rec, c) for c in choices]
+        for outcome in outcomes:
+            if isinstance(outcome, Skip):
+                self._skip_row(outcome.call_id, outcome)
             else:
-                self._call(rec, call)
+                self._count(*outcome)
+        self.summary.extra_choices += len(outcomes) - 1
 
     def _skip_row(self, record_id: Any, s: Skip) -> None:
         self.bufs["skipped"].add(file_id=self.file_id, record_id=record_id, reason=s.reason, detail=s.detail)
         self.summary.skipped[s.reason] += 1
 
-    def _call(self, rec: ExchangeRecord, call: Call) -> None:
-        bufs, summary = self.bufs, self.summary
+    def _call(self, rec: ExchangeRecord, call: Call) -> Skip | tuple[str, str, str]:
+        """Buffer one call's rows; (role, token source, prompt check) to count, or why it is skipped."""
+        bufs = self.bufs
         try:
             if call.call_id in self.seen:
                 raise Skip("duplicate_record", f"record id {call.call_id} was already read in this run")
@@ -284,8 +290,8 @@ class Ingest:
                            f"{len(call.images)} image(s): vision-language samples do not exist yet")
             prompt_ids, completion_ids, source = token_ids(call, self.retok)
         except Skip as s:
-            self._skip_row(call.call_id, s)
-            return
+            s.call_id = call.call_id
+            return s
         messages = call.messages
         if messages is None:
             messages = [{"role": "prompt", "content": call.prompt_text or ""}]
@@ -305,8 +311,7 @@ class Ingest:
             self.record_calls.append(call.call_id)
             prefix_id, prefix_len, suffix = self.prefixes.split(episode, call.call_id, prompt_ids, completion)
         except ValueError as e:
-            self._skip_row(call.call_id, Skip("bad_token_ids", str(e)[:300]))
-            return
+            return Skip("bad_token_ids", str(e)[:300], call.call_id)
         lps = None if logprobs is None else np.asarray(logprobs, np.float32)
         rendered = len(prompt_ids) if not isinstance(prompt_ids, RawIds) else None
         check = prompt_check(source, rendered, call.prompt_tokens)
@@ -329,6 +334,10 @@ class Ingest:
             messages=None if call.messages is not None else "null",  # NULL: read back from call_messages
             prefix_call_id=prefix_id, prefix_len=prefix_len if prefix_id else None,
         )
+        return role, source, check
+
+    def _count(self, role: str, source: str, check: str) -> None:
+        summary = self.summary
         summary.calls += 1
         summary.calls_by_role[role] += 1
         summary.calls_prompt_mismatch += int(check == "mismatch")

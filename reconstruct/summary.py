@@ -12,6 +12,7 @@ class Summary:
     files_ingested: int = 0
     files_unchanged: int = 0
     records: int = 0
+    extra_choices: int = 0  # outcomes (a call or a skipped row) of the choices after a record's first: n > 1
     calls: int = 0
     calls_engine_ids: int = 0
     calls_mixed: int = 0  # engine completion ids, prompt rendered by the template (llama.cpp gives no prompt ids)

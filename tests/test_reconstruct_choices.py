@@ -96,3 +96,19 @@ def test_unfinished_choice_is_skipped_with_its_call_id(tmp_path, retok):
     assert skipped == {"record_id": f"{rec['id']}#1", "reason": "truncated_stream"}
     assert [c["call_id"] for c in db_rows(tmp_path / "db.duckdb", "SELECT call_id FROM calls ORDER BY call_id")] \
         == [rec["id"], f"{rec['id']}#2"]
+
+
+def test_a_choice_that_raises_drops_the_whole_record_uncounted(tmp_path, retok):
+    """Choice 1's finish_reason does not fit its column: the record goes whole (`malformed_record`), and the
+    summary counts no call for it (choice 0 was buffered, then dropped with it)."""
+    f = FlowFactory(tmp_path / "flows", seed=6)
+    rec = f.choices(MESSAGES, ANSWERS[:2], tools=[BASH], episode="ep")
+    answer = json.loads(rec["response"]["body"])
+    answer["choices"][1]["finish_reason"] = 5
+    rec["response"]["body"] = json.dumps(answer).encode()
+    f.write(rec)
+    f.close()
+    s = run(tmp_path, retok)
+    assert (s.records, s.calls, dict(s.skipped)) == (1, 0, {"malformed_record": 1})
+    assert s.records + s.extra_choices == s.calls + sum(s.skipped.values())
+    assert db_rows(tmp_path / "db.duckdb", "SELECT count(*) n FROM calls") == [{"n": 0}]

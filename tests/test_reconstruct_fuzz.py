@@ -213,10 +213,11 @@ CHANGES = ["delete", "duplicate", *(f"value:{i}" for i in range(len(JSON_VALUES)
 
 
 def check_run(corpus: Corpus, s: Summary, name: str, intact: set[str]) -> None:
-    """What holds after any damage: one outcome per record read (a call, a reward or a `skipped` row), the
-    skipped rows stored, the `intact` calls stored, the good file's samples as in the baseline."""
+    """What holds after any damage: one outcome per record read (a call, a reward or a `skipped` row; one per
+    choice where a damaged answer has several), the skipped rows stored, the `intact` calls stored, the good
+    file's samples as in the baseline."""
     per_record = sum(n for reason, n in s.skipped.items() if reason not in FILE_LEVEL)
-    assert s.records == s.calls + s.rewards + per_record, s
+    assert s.records + s.extra_choices == s.calls + s.rewards + per_record, s
     assert sum(n for reason, n in s.skipped.items() if reason in FILE_LEVEL) <= len(SUFFIXES), s
     db = corpus.work / name / "db.duckdb"
     assert sum(s.skipped.values()) == db_rows(db, "SELECT count(*) n FROM skipped")[0]["n"]
