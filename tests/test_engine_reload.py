@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -25,7 +25,7 @@ class FakeEngine:
     """Answers POST `routes` with 200 (or `status[path]`), GET /v1/models as `owned_by`, anything else 404;
     `posts` is every (path, body) it was sent."""
 
-    def __init__(self, routes: list[str], owned_by: str | None = None, status: dict[str, int] | None = None):
+    def __init__(self, routes: list[str], owned_by: str | None = None, status: dict[str, int] | None = None) -> None:
         self.posts: list[tuple[str, object]] = []
         engine = self
 
@@ -63,15 +63,18 @@ class FakeEngine:
         self.server.server_close()
 
 
+Start = Callable[..., FakeEngine]
+
+
 @pytest.fixture
-def engine_factory() -> Iterator[type[FakeEngine]]:
+def engine_factory() -> Iterator[Start]:
     started: list[FakeEngine] = []
 
-    def start(*args: object, **kwargs: object) -> FakeEngine:
-        started.append(FakeEngine(*args, **kwargs))  # type: ignore[arg-type]
+    def start(routes: list[str], owned_by: str | None = None, status: dict[str, int] | None = None) -> FakeEngine:
+        started.append(FakeEngine(routes, owned_by, status))
         return started[-1]
 
-    yield start  # type: ignore[misc]
+    yield start
     for eng in started:
         eng.close()
 
@@ -100,7 +103,7 @@ def one_error(done: subprocess.CompletedProcess[str], code: int) -> str:
     return done.stderr.splitlines()[0]
 
 
-def test_reload_runs_vllm_dev_mode_sequence_and_prints_seconds(engine_factory, checkpoint: Path) -> None:
+def test_reload_runs_vllm_dev_mode_sequence_and_prints_seconds(engine_factory: Start, checkpoint: Path) -> None:
     """Pause (in-flight requests finish), reload from the absolute checkpoint path, drop the prefix cache,
     resume; then one line with the seconds it took."""
     eng = engine_factory(RELOAD, owned_by="vllm")
@@ -111,7 +114,7 @@ def test_reload_runs_vllm_dev_mode_sequence_and_prints_seconds(engine_factory, c
     assert f"into {eng.url} in " in done.stdout and done.stdout.strip().endswith(" s"), done.stdout
 
 
-def test_reload_failure_resumes_the_engine_and_exits_1(engine_factory, checkpoint: Path) -> None:
+def test_reload_failure_resumes_the_engine_and_exits_1(engine_factory: Start, checkpoint: Path) -> None:
     eng = engine_factory(RELOAD, owned_by="vllm", status={"/collective_rpc": 500})
     line = one_error(openforge("engine", "reload", "--url", eng.url, "--weights", str(checkpoint)), 1)
     assert "/collective_rpc answered 500" in line
@@ -122,8 +125,8 @@ def test_reload_failure_resumes_the_engine_and_exits_1(engine_factory, checkpoin
     (None, "the engine at"),  # 404 to everything, /v1/models too
     ("vllm", "vLLM at"),  # vLLM started without development mode
 ])
-def test_reload_without_endpoints_gives_the_restart_command(engine_factory, checkpoint: Path, owned_by: str | None,
-                                                            says: str) -> None:
+def test_reload_without_endpoints_gives_the_restart_command(engine_factory: Start, checkpoint: Path,
+                                                            owned_by: str | None, says: str) -> None:
     eng = engine_factory([], owned_by=owned_by)
     done = openforge("engine", "reload", "--url", eng.url, "--weights", str(checkpoint))
     line = one_error(done, 1)
@@ -133,7 +136,7 @@ def test_reload_without_endpoints_gives_the_restart_command(engine_factory, chec
     assert "--dev-mode" in done.stderr.splitlines()[1] and "network" in done.stderr  # the hint
 
 
-def test_reload_on_llamacpp_gives_the_restart_command(engine_factory, checkpoint: Path) -> None:
+def test_reload_on_llamacpp_gives_the_restart_command(engine_factory: Start, checkpoint: Path) -> None:
     eng = engine_factory([], owned_by="llamacpp")
     done = openforge("engine", "reload", "--url", eng.url, "--weights", str(checkpoint))
     line = one_error(done, 1)
@@ -154,7 +157,7 @@ def test_reload_engine_not_reachable_exits_1(checkpoint: Path) -> None:
     ("no-weights", "has no safetensors weights"),
     ("shard-missing", "model-00002-of-00002.safetensors missing"),
 ])
-def test_reload_refuses_a_directory_that_is_no_checkpoint(engine_factory, tmp_path: Path, layout: str,
+def test_reload_refuses_a_directory_that_is_no_checkpoint(engine_factory: Start, tmp_path: Path, layout: str,
                                                           says: str) -> None:
     """Checked before the engine is called: it never sees a bad directory."""
     eng = engine_factory(RELOAD, owned_by="vllm")
