@@ -6,8 +6,9 @@ same `seed` on both paths, so both generate the same tokens) go direct to vLLM a
 both alike; Anthropic Messages calls go direct to vLLM's own `/v1/messages` and through the addon, which
 translates them to Chat Completions. Printed per path: latency and time to the first event (median),
 the added median of the proxy, the addon's CPU per call. Then the two ways to serve new weights: a
-reload in place (`reload_weights`: pause, `/collective_rpc reload_weights`, reset prefix cache, resume;
-needs the development mode this script starts vLLM with) and a restart (stop + start, compile cache warm).
+reload in place (`openforge engine reload`, as the RL loop runs it: pause, `/collective_rpc
+reload_weights`, reset prefix cache, resume; needs the development mode this script starts vLLM with),
+three times, and a restart (stop + start, compile cache warm).
 
 A script and not a test: timings depend on the machine (2 busy cores here: vLLM decodes a few tokens/s).
 
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS  # noqa: E402
 from openforge.models import hf_dir  # noqa: E402
 from openforge.processes import Child, free_port, mitmdump_command  # noqa: E402
-from openforge.vllm_engine import VllmEngine, reload_weights  # noqa: E402
+from openforge.vllm_engine import VllmEngine  # noqa: E402
 
 MAX_TOKENS = 16
 
@@ -79,6 +82,16 @@ def start_proxy(upstream: str, tmp: Path) -> tuple[Child, str]:
     url = f"http://127.0.0.1:{port}"
     proxy.wait_ready(f"{url}/openforge/v1/status", 30)
     return proxy, url
+
+
+def reload_command(url: str, weights: Path) -> tuple[float, float]:
+    """(seconds `openforge engine reload` printed, seconds the whole command took, its start included)."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", "engine", "reload", "--url", url,
+                           "--weights", str(weights)], capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - started
+    return float(re.search(r" in ([\d.]+) s$", done.stdout.strip()).group(1)), wall  # type: ignore[union-attr]
 
 
 def row(name: str, samples: list[tuple[float, float]], base: list[tuple[float, float]] | None,
@@ -127,13 +140,14 @@ def main() -> None:
         print(row("anthropic proxy (translated)", results["anthropic proxy (translated)"], results["anthropic direct"],
                   proxy_cpu["anthropic proxy (translated)"] / args.rounds))
         print("(addon ms: the mitmdump process's CPU time per call; added ms: proxy median minus direct median)")
-        reload_s = reload_weights(engine.url, model)
+        reloads = [reload_command(engine.url, model) for _ in range(3)]
         started = time.monotonic()
         engine.stop()
         engine.start()
         restart_s = time.monotonic() - started
-        print(f"\nnew weights: reload in place {reload_s:.1f} s, restart {restart_s:.1f} s "
-              f"(first start of this run {first_start:.0f} s)")
+        print(f"\nnew weights: reload in place {' / '.join(f'{r:.2f}' for r, _ in reloads)} s "
+              f"(`openforge engine reload`, its start included: {' / '.join(f'{w:.2f}' for _, w in reloads)} s), "
+              f"restart {restart_s:.1f} s (first start of this run {first_start:.0f} s)")
     finally:
         proxy.stop(signal.SIGTERM, 15)
         engine.stop()

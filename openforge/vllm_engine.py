@@ -8,6 +8,7 @@ because it spawns an engine core process: stopping signals the whole group, so n
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -63,19 +64,44 @@ def gpu_command(model_dir: Path, name: str, max_model_len: int) -> str:
                        "--host", "127.0.0.1", "--port", "8000"])
 
 
+class ReloadUnsupported(EngineError):
+    """The server has no weight-reload endpoint: not vLLM, or vLLM outside development mode."""
+
+
+def checkpoint_weights(weights_dir: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face checkpoint directory (what the trainer writes, what vLLM
+    reloads from); EngineError naming what is missing, before any engine is asked."""
+    if not weights_dir.is_dir():
+        raise EngineError(f"no such checkpoint directory: {weights_dir}")
+    if not (weights_dir / "config.json").is_file():
+        raise EngineError(f"not a Hugging Face checkpoint directory (no config.json): {weights_dir}")
+    index = weights_dir / "model.safetensors.index.json"  # save_pretrained shards large models
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else [p.name for p in sorted(weights_dir.glob("*.safetensors"))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise EngineError(f"unreadable {index}: {e}") from None
+    missing = [name for name in names if not (weights_dir / name).is_file()]
+    if not names or missing:
+        raise EngineError(f"{weights_dir} has no safetensors weights" + (f" ({', '.join(missing)} missing)"
+                                                                          if missing else ""))
+    return [weights_dir / name for name in names]
+
+
 def reload_weights(url: str, weights_dir: Path | str, timeout: float = 600.0) -> float:
     """Serve the weights in `weights_dir` (a Hugging Face directory of the same architecture) from the
     running server at `url`, without a restart; the seconds it took.
 
-    Needs the server's development mode (`VLLM_SERVER_DEV_MODE=1`). New requests wait while in-flight
-    ones finish (`/pause?mode=wait`); the prefix cache is dropped, since its KV was computed with the
-    old weights.
+    Needs the server's development mode (`VLLM_SERVER_DEV_MODE=1`, `openforge engine --backend vllm
+    --dev-mode`): ReloadUnsupported without it. New requests wait while in-flight ones finish
+    (`/pause?mode=wait`); the prefix cache is dropped, since its KV was computed with the old weights.
+    The path is made absolute: the server resolves it from its own working directory.
     """
     with httpx.Client(base_url=url, timeout=timeout) as http:
         started = time.monotonic()
         _dev_post(http, "/pause?mode=wait")
         try:
-            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(Path(weights_dir).resolve())}}
             _dev_post(http, "/collective_rpc", reload)
             _dev_post(http, "/reset_prefix_cache")
         finally:
@@ -84,11 +110,19 @@ def reload_weights(url: str, weights_dir: Path | str, timeout: float = 600.0) ->
 
 
 def _dev_post(http: httpx.Client, path: str, body: dict | None = None) -> None:
-    answer = http.post(path, json=body)
+    try:
+        answer = http.post(path, json=body)
+    except httpx.TransportError as e:
+        raise EngineError(f"cannot reach the engine at {_base(http)} ({type(e).__name__}: {e})") from None
     if answer.status_code == 404:
-        raise EngineError(f"{http.base_url} has no {path.split('?')[0]}: start vLLM with VLLM_SERVER_DEV_MODE=1")
+        raise ReloadUnsupported(f"{_base(http)} has no {path.split('?')[0]} (404): vLLM mounts it only in "
+                                "development mode (`openforge engine --backend vllm --dev-mode`)")
     if answer.status_code != 200:
         raise EngineError(f"{path} answered {answer.status_code}: {answer.text[:300]}")
+
+
+def _base(http: httpx.Client) -> str:
+    return str(http.base_url).rstrip("/")
 
 
 class VllmEngine(EngineProcess):
@@ -141,7 +175,8 @@ class VllmEngine(EngineProcess):
         ]  # fmt: skip
 
     def gpu_command(self) -> str:
-        return gpu_command(self.model_dir, self.name, self.max_model_len)
+        line = gpu_command(self.model_dir, self.name, self.max_model_len)
+        return f"VLLM_SERVER_DEV_MODE=1 {line}" if self.dev_mode else line
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -161,15 +196,16 @@ class VllmEngine(EngineProcess):
         return _LOG_PREFIX.sub("", super().last_log_line())[:160]
 
 
-def serve_cli(gguf: Path | None, port: int, max_model_len: int, log: Path | None,
-              echo: Callable[..., None]) -> int:
-    """`openforge engine --backend vllm`: serve the GGUF's Hugging Face directory until Ctrl-C or SIGTERM;
-    the exit code (2: bad input, 1: the server failed)."""
+def serve_cli(model_dir: Path | None, gguf: Path | None, port: int, max_model_len: int, log: Path | None,
+              dev_mode: bool, echo: Callable[..., None]) -> int:
+    """`openforge engine --backend vllm`: serve `model_dir` (default: the GGUF's Hugging Face directory) until
+    Ctrl-C or SIGTERM; the exit code (2: bad input, 1: the server failed)."""
     from openforge.models import ModelNotFound, hf_dir
 
     log = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"openforge-vllm-{os.getpid()}.log"
     try:
-        eng = VllmEngine(hf_dir(gguf), port=port, max_model_len=max_model_len, log_path=log)
+        eng = VllmEngine(model_dir or hf_dir(gguf), port=port, max_model_len=max_model_len, dev_mode=dev_mode,
+                         log_path=log)
     except (EngineError, ModelNotFound, OSError) as e:
         echo(f"error: {e}", err=True)
         return 2
@@ -179,6 +215,9 @@ def serve_cli(gguf: Path | None, port: int, max_model_len: int, log: Path | None
         eng.start(progress=lambda t, line: echo(f"  {t:4.0f} s  {line}"))
         echo(f"ready at {eng.url}  (model {eng.name}; OpenAI base URL {eng.url}/v1)")
         echo(f"on a GPU, the same setup: {eng.gpu_command()}")
+        if dev_mode:
+            echo(f"development mode: new weights in place with `openforge engine reload --url {eng.url} "
+                 "--weights DIR`; its endpoints take no key: never let a network reach this port")
         while eng.proc is not None and eng.proc.poll() is None:
             time.sleep(0.5)
         echo("error: the vLLM process exited", err=True)

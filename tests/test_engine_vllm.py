@@ -2,9 +2,10 @@
 
 One server for the whole module, started through `openforge engine --backend vllm`. Every protocol the
 addon handles goes through it (Chat and Completions native; Anthropic Messages and Responses translated
-to Chat), streamed and not, multi-turn with tools. Then `reconstruct` runs on the flow files and the
-samples are checked against the engine's answers read straight from the raw records: trainable tokens
-are vLLM's generated ids, behaviour logprobs are vLLM's, prompts are vLLM's `prompt_token_ids`.
+to Chat), streamed and not, multi-turn with tools, 16 concurrent two-call episodes. Then `reconstruct`
+runs on the flow files and the samples are checked against the engine's answers read straight from the
+raw records: trainable tokens are vLLM's generated ids, behaviour logprobs are vLLM's, prompts are vLLM's
+`prompt_token_ids`. New weights go in through `openforge engine reload`.
 Asserts protocol shape and token ids, never answer quality (a 135M model).
 """
 
@@ -33,7 +34,7 @@ import pytest
 
 from openforge.addons.flowfile import open_flow_file
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
-from openforge.vllm_engine import VLLM_VENV, reload_weights
+from openforge.vllm_engine import VLLM_VENV
 from tests.conftest import ROOT
 
 pytestmark = [
@@ -46,19 +47,22 @@ pytestmark = [
 MODEL = "smollm2"
 MAX_TOKENS = 12  # small: a call decodes at a few tokens per second on a busy 2-core machine
 TOOL_TOKENS = 48  # room for one `<tool_call>{"name": "calculator", ...}</tool_call>`
+EPISODES = 16  # concurrent agent episodes: vLLM batches them, so 16 cost little more than 1
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 
 class Server:
-    """`openforge engine --backend vllm --port 0` as a user runs it; `lines` is everything it printed."""
+    """`openforge engine --backend vllm --port 0 --dev-mode` as a user runs it (dev mode: for the reload
+    test); `lines` is everything it printed."""
 
     def __init__(self, log: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_SERVER_DEV_MODE": "1"}  # for the reload test
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}  # --dev-mode alone sets it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openforge.cli", "engine", "--backend", "vllm", "--port", "0", "--log", str(log)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            [sys.executable, "-m", "openforge.cli", "engine", "--backend", "vllm", "--port", "0", "--log", str(log),
+             "--dev-mode"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**env, "PYTHONPATH": str(ROOT)})
         self.log = log
         self.url = ""
         self.lines: list[str] = []
@@ -114,6 +118,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     try:
         srv.url = srv.wait_for(r"ready at (http://127\.0\.0\.1:\d+)", timeout=1100).group(1)
         srv.wait_for(r"^on a GPU, the same setup: ", timeout=10)
+        srv.wait_for(r"^development mode: ", timeout=10)
         print(f"\nvLLM ready after {time.monotonic() - started:.0f} s")
         yield srv
     finally:
@@ -141,7 +146,8 @@ def ask(question: str) -> list[dict[str, Any]]:
 
 def test_vllm_cli_prints_readiness_and_gpu_flags(server: Server) -> None:
     assert any(line.startswith("starting vLLM on http://127.0.0.1:") for line in server.lines)
-    [gpu] = [line for line in server.lines if line.startswith("on a GPU, the same setup: ")]
+    [gpu] = [line for line in server.lines if line.startswith("on a GPU, the same setup: VLLM_SERVER_DEV_MODE=1 ")]
+    assert any("never let a network reach this port" in line for line in server.lines)
     for flag in ("vllm serve ", "--chat-template ", "--enable-auto-tool-choice", "--tool-call-parser hermes",
                  "--served-model-name smollm2", "--generation-config vllm"):
         assert flag in gpu, gpu
@@ -227,18 +233,6 @@ def test_vllm_responses_translated(proxy: Any) -> None:
     assert events[-1].type in ("response.completed", "response.incomplete")
 
 
-def test_vllm_concurrent_streamed_episodes(proxy: Any) -> None:
-    """A few streamed episodes at once (2 cores: a few, not many), each answered whole."""
-    def episode(n: int) -> str | None:
-        chunks = oai(proxy, f"concurrent-{n}").chat.completions.create(
-            model=MODEL, messages=ask(f"What is {n} + {n}?"), tools=TOOLS, max_tokens=MAX_TOKENS, stream=True)
-        return [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
-
-    with ThreadPoolExecutor(4) as pool:
-        finishes = list(pool.map(episode, range(4)))
-    assert all(f in ("stop", "length", "tool_calls") for f in finishes), finishes
-
-
 # ---------------------------------------------------------------- the engine's own answers, from raw records
 
 
@@ -274,29 +268,29 @@ def engine_records(flow_dir: Path) -> list[dict[str, Any]]:
             and rec["upstream_request"]["url"].endswith(("/chat/completions", "/completions"))]
 
 
-def test_vllm_reconstruct_is_token_exact(proxy: Any, tmp_path: Path) -> None:
-    """Every finished call of this module: its trainable tokens in the database are vLLM's generated ids
-    with vLLM's logprobs, after vLLM's own `prompt_token_ids`; nothing else is trainable."""
+def check_token_exact(proxy: Any, db: Path, episodes: str = "") -> tuple[int, set[str]]:
+    """Reconstruct every flow file of the module into `db`; then, for each finished call of an episode
+    starting with `episodes`: its trainable tokens are vLLM's generated ids with vLLM's logprobs, after
+    vLLM's own `prompt_token_ids`, and nothing else of its sample is trainable. Prints the counts;
+    returns (calls checked, their protocols)."""
     import duckdb
 
     from openforge.models import hf_dir
     from openforge.reconstruct import reconstruct
 
-    oai(proxy, "reconstruct-1").chat.completions.create(model=MODEL, messages=ask("What is 8 - 3?"),
-                                                        max_tokens=MAX_TOKENS)  # something to check when run alone
     proxy.status()  # every exchange answered so far is in the flow file
-    records = engine_records(proxy.flow_dir)
+    records = [rec for rec in engine_records(proxy.flow_dir) if (rec.get("episode") or "").startswith(episodes)]
     assert {rec["engine_profile"] for rec in records} == {"vllm"}  # detected from /v1/models
-    protocols = {rec["protocol"] for rec in records}
-    summary = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", hf_dir(), missing_reward="fill:1")
+    summary = reconstruct(proxy.flow_files(), db, hf_dir(), missing_reward="fill:1")
     assert dict(summary.skipped) == {}, summary.skipped
-    con = duckdb.connect(str(tmp_path / "db.duckdb"), read_only=True)
+    con = duckdb.connect(str(db), read_only=True)
     owner = dict(con.execute("SELECT call_id, sample_id FROM calls").fetchall())
     samples = {sid: (np.array(ids), np.array(mask), np.array(lps, dtype=np.float32) if lps is not None else None)
                for sid, ids, mask, lps in con.execute(
                    "SELECT sample_id, input_ids, loss_mask, behaviour_logprobs FROM samples").fetchall()}
+    con.close()
     checked = mismatched = prompt_checked = prompt_mismatched = 0
-    expected_mask = {sid: np.zeros_like(mask) for sid, (_, mask, _) in samples.items()}
+    expected_mask = {sid: np.zeros_like(mask) for sid, (_, mask, _) in samples.items() if sid.startswith(episodes)}
     for rec in records:
         prompt, gen, lps = engine_side(rec)
         assert prompt and gen and len(lps) == len(gen), rec["id"]
@@ -308,13 +302,57 @@ def test_vllm_reconstruct_is_token_exact(proxy: Any, tmp_path: Path) -> None:
         mismatched += int(np.sum((ids[p:p + g] != np.array(gen)) | (mask[p:p + g] != 1))) if len(ids) >= p + g else g
         assert behaviour is not None and np.array_equal(behaviour[p:p + g], np.array(lps, dtype=np.float32)), rec["id"]
         expected_mask[owner[rec["id"]]][p:p + g] = 1
+    protocols = {rec["protocol"] for rec in records}
     print(f"\nvLLM token check over {len(records)} calls ({', '.join(sorted(protocols))}): "
           f"{checked} trainable tokens checked, {mismatched} mismatched; "
           f"{prompt_checked} prompt ids checked, {prompt_mismatched} mismatched")
-    assert {"chat", "completions", "anthropic", "responses"} <= protocols or len(records) == 1
     assert mismatched == 0 and prompt_mismatched == 0 and checked > 0
-    for sid, (_, mask, _) in samples.items():  # nothing trainable that vLLM did not generate
-        assert np.array_equal(mask, expected_mask[sid]), sid
+    assert expected_mask.keys() >= {owner[rec["id"]] for rec in records}  # sample ids start with the episode
+    for sid, mask in expected_mask.items():  # nothing trainable that vLLM did not generate
+        assert np.array_equal(samples[sid][1], mask), sid
+    return len(records), protocols
+
+
+def test_vllm_concurrent_streamed_episodes_are_token_exact(proxy: Any, tmp_path: Path) -> None:
+    """16 agent episodes at once through the proxy, each two streamed calls: a greedy turn long enough for
+    a tool call, then the tool's result (or a follow-up question) and a short final answer. Every
+    episode's calls come back whole, and reconstruct is token-exact on all 32."""
+    def episode(n: int) -> list[str]:
+        client = oai(proxy, f"concurrent-{n}")
+        messages = ask(f"What is {n} + {n}?")
+        finishes: list[str] = []
+        for max_tokens in (TOOL_TOKENS, MAX_TOKENS):
+            chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stream=True,
+                                                         temperature=0, max_tokens=max_tokens))
+            deltas = [c.choices[0] for c in chunks if c.choices]
+            finishes += [d.finish_reason for d in deltas if d.finish_reason]
+            calls = [t for d in deltas for t in d.delta.tool_calls or ()]
+            if calls:
+                arguments = "".join(t.function.arguments or "" for t in calls)
+                messages += [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": calls[0].id, "type": "function", "function": {"name": calls[0].function.name,
+                                                                         "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": calls[0].id, "content": str(2 * n)}]
+            else:
+                messages += [{"role": "assistant", "content": "".join(d.delta.content or "" for d in deltas) or "x"},
+                             {"role": "user", "content": "And 1 + 1?" + ASK}]
+        return finishes
+
+    with ThreadPoolExecutor(EPISODES) as pool:
+        finishes = list(pool.map(episode, range(EPISODES)))
+    assert all(len(f) == 2 and set(f) <= {"stop", "length", "tool_calls"} for f in finishes), finishes
+    print(f"\n{EPISODES} concurrent episodes, finish reasons: "
+          f"{sorted({r: sum(f.count(r) for f in finishes) for r in {r for f in finishes for r in f}}.items())}")
+    calls, _ = check_token_exact(proxy, tmp_path / "db.duckdb", episodes="concurrent-")
+    assert calls == 2 * EPISODES
+
+
+def test_vllm_reconstruct_is_token_exact(proxy: Any, tmp_path: Path) -> None:
+    """Every finished call of this module, every protocol: token-exact after reconstruct."""
+    oai(proxy, "reconstruct-1").chat.completions.create(model=MODEL, messages=ask("What is 8 - 3?"),
+                                                        max_tokens=MAX_TOKENS)  # something to check when run alone
+    calls, protocols = check_token_exact(proxy, tmp_path / "db.duckdb")
+    assert {"chat", "completions", "anthropic", "responses"} <= protocols or calls == 1
 
 
 def first_token_logprobs(url: str) -> dict[str, float]:
@@ -325,10 +363,19 @@ def first_token_logprobs(url: str) -> dict[str, float]:
     return answer["choices"][0]["logprobs"]["top_logprobs"][0]
 
 
+def reload(url: str, weights: Path) -> float:
+    """`openforge engine reload` as the RL loop runs it; the seconds it printed."""
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", "engine", "reload", "--url", url,
+                           "--weights", str(weights)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return float(re.fullmatch(r"reloaded .* in ([\d.]+) s\n", done.stdout).group(1))  # type: ignore[union-attr]
+
+
 def test_vllm_reload_serves_new_weights(server: Server, tmp_path: Path) -> None:
-    """`reload_weights` swaps the weights of the running server: a checkpoint with the final norm halved
-    (logits halved) changes the logprobs of a fixed prompt as the checkpoint does; the original back
-    restores them."""
+    """`openforge engine reload` swaps the weights of the running server: a checkpoint with the final norm
+    halved (logits halved) changes the logprobs of a fixed prompt as the checkpoint does; the original
+    back restores them."""
     from safetensors.torch import load_file, save_file
 
     from openforge.models import hf_dir
@@ -340,12 +387,14 @@ def test_vllm_reload_serves_new_weights(server: Server, tmp_path: Path) -> None:
     weights["model.norm.weight"] = weights["model.norm.weight"] * 0.5
     save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
     before = first_token_logprobs(server.url)
-    seconds = reload_weights(server.url, ckpt)
+    started = time.monotonic()
+    seconds = reload(server.url, ckpt)
+    command_s = time.monotonic() - started
     after = first_token_logprobs(server.url)
-    reload_weights(server.url, original)
+    reload(server.url, original)
     restored = first_token_logprobs(server.url)
-    print(f"\nvLLM weight reload: {seconds:.1f} s; top logprob {max(before.values()):.3f} -> "
-          f"{max(after.values()):.3f} -> {max(restored.values()):.3f}")
+    print(f"\nvLLM weight reload: {seconds:.1f} s ({command_s:.1f} s with the command's start); top logprob "
+          f"{max(before.values()):.3f} -> {max(after.values()):.3f} -> {max(restored.values()):.3f}")
     assert max(after.values()) < max(before.values()) - 0.05  # halved logits: a flatter distribution
     assert restored.keys() == before.keys()
     assert all(abs(restored[k] - before[k]) < 1e-3 for k in before)

