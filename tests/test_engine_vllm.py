@@ -460,27 +460,32 @@ def test_vllm_n2_every_choice_is_a_call(server: Server, start_proxy: Any, tmp_pa
     print(f"\nvLLM n = 2: {len(records)} calls, {2 * len(records)} choices, {checked} trainable tokens exact")
 
 
-CLI_TASK = "Reply with one short sentence."
+CLI_TASK = "What is 2 + 2? Answer with the number only."
 
 
 @pytest.mark.parametrize("name", ["claude-code", "codex"])
 def test_vllm_real_cli_completes_a_task(name: str, server: Server, start_proxy: Any, tmp_path: Path) -> None:
     """An unmodified CLI (Claude Code: Anthropic Messages; Codex: Responses) through the proxy to vLLM, as a
-    rollout runs it: the route maps its model name to the served one and caps `max_tokens` (a 135M model
-    would write until the context ends). The CLI finishes its task (exit 0, the model's answer printed);
-    every call it made is complete, translated to Chat, and token-exact after reconstruct."""
+    rollout runs it: the route maps the CLI's model name to the served one and forces greedy sampling and a
+    `max_tokens` cap (a 135M model may write until its context ends). The CLI finishes the task (exit 0,
+    the answer holds 4); every call it made went to vLLM as Chat and is token-exact after reconstruct.
+    Claude Code runs with `--bare` (3 tools): its full system prompt and tool list exceed the model's
+    8192-token context (vLLM answers 400, which the CLI shows as "Prompt is too long")."""
     from toolchains import run as toolchains
 
     if not toolchains.installed(name):
         pytest.fail(f"{name} is not installed: run toolchains/install.sh (make test does)")
-    route = {"agent": {"models": {"*": MODEL}, "sampling": {"max_tokens": 24, "temperature": 0}}}
+    route = {"agent": {"models": {"*": MODEL}, "sampling": {"max_tokens": 64, "temperature": 0}}}
     proxy = start_proxy(server.url, f"openforge_models={json.dumps(route)}")
     episode = f"cli-{name}"
     work = tmp_path / "work"
     work.mkdir()
-    done = toolchains.run(name, CLI_TASK, work, tmp_path / "home", timeout=900,
-                          base_url=f"{proxy.url}/e/{episode}", bare=True)
+    inv = toolchains.invocation(name, CLI_TASK, tmp_path / "home", base_url=f"{proxy.url}/e/{episode}")
+    argv = [*inv.argv, "--bare"] if name == "claude-code" else inv.argv
+    done = subprocess.run(argv, cwd=work, env=inv.env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "4" in done.stdout
     calls, protocols = check_token_exact(proxy, tmp_path / "db.duckdb", episodes=episode)
     assert calls >= 1 and protocols == {"anthropic" if name == "claude-code" else "responses"}
     records = [rec for rec in engine_records(proxy.flow_dir) if rec.get("episode") == episode]
