@@ -2,7 +2,8 @@
 
 vLLM takes `return_token_ids` and `logprobs`; llama.cpp's server puts the token `id` inside each logprobs
 entry; SGLang takes both fields (recent versions); a generic OpenAI-compatible server gives logprobs only
-(where each puts them in the answer: `openforge.protocols.engine_ids`).
+(where each puts them in the answer: `openforge.protocols.engine_ids`). On a Responses call forwarded
+untranslated, vLLM takes `enable_response_messages` (ids, no logprobs: docs/engines.md).
 What we add to a request, we remove from the answer, so the toolchain sees the response it asked for.
 """
 
@@ -37,8 +38,14 @@ def detect(models_url: str, key: str, timeout: float = 3.0) -> str | None:
 
 
 def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
-    """Ask for token ids / logprobs on a Chat or Completions body in place; return the fields injected."""
+    """Ask for token ids / logprobs on a Chat, Completions or (vLLM) Responses body in place; return the
+    fields injected."""
     injected: list[str] = []
+    if protocol == "responses":
+        if profile == "vllm" and not body.get("enable_response_messages"):
+            body["enable_response_messages"] = True
+            injected.append("enable_response_messages")
+        return injected
     if protocol not in ("chat", "completions"):
         return injected
     if profile in ("vllm", "sglang") and not body.get("return_token_ids"):
@@ -55,7 +62,8 @@ def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
 
 
 def strip(obj: Any, injected: list[str]) -> bool:
-    """Remove, in place, what the injected fields added to one answer object or stream chunk.
+    """Remove, in place, what the injected fields added to one answer object or stream chunk (put back
+    what the engine answers when not asked, where it answers something).
 
     Returns whether anything changed, so callers can pass unchanged bytes through without re-encoding.
     """
@@ -63,7 +71,7 @@ def strip(obj: Any, injected: list[str]) -> bool:
         return False
     ids = "return_token_ids" in injected
     lps = "logprobs" in injected
-    changed = False
+    changed = "enable_response_messages" in injected and _strip_response_messages(obj)
     if ids and "prompt_token_ids" in obj:
         del obj["prompt_token_ids"]
         changed = True
@@ -76,6 +84,19 @@ def strip(obj: Any, injected: list[str]) -> bool:
             changed = True
         if lps and choice.get("logprobs") is not None:
             choice["logprobs"] = None
+            changed = True
+    return changed
+
+
+def _strip_response_messages(obj: dict[str, Any]) -> bool:
+    """Null vLLM's `input_messages` / `output_messages` on a Responses answer or on a stream event's
+    `response`: unasked, vLLM answers them null."""
+    response = obj.get("response")
+    holder = response if isinstance(response, dict) else obj
+    changed = False
+    for key in ("input_messages", "output_messages"):
+        if holder.get(key) is not None:
+            holder[key] = None
             changed = True
     return changed
 
@@ -99,7 +120,8 @@ def loads(data: bytes) -> Any:
 def markers(injected: list[str]) -> tuple[bytes, ...]:
     """Byte strings one of which must occur in an answer for `strip` to have anything to remove."""
     return ((b"token_ids",) if "return_token_ids" in injected else ()) + (
-        (b'"logprobs"',) if "logprobs" in injected else ())
+        (b'"logprobs"',) if "logprobs" in injected else ()) + (
+        (b'_messages"',) if "enable_response_messages" in injected else ())
 
 
 # One encoder for every re-encoded body or event: json.dumps with non-default arguments builds a new one per call.

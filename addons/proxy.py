@@ -197,7 +197,7 @@ class OpenForge:
         if ex.translated is not None and flow.response.status_code == 200:
             ex.translator = translate.stream_translator(ex.translated["from"], ex.client_body or {})
             ex.client_chunks = []
-        elif ex.injected and ex.protocol in ("chat", "completions"):
+        elif ex.injected and ex.protocol in ("chat", "completions", "responses"):
             ex.rewriter = profiles.SseStripper(ex.injected)
         if ex.translator is not None or ex.rewriter is not None:
             flow.response.headers.pop("content-length", None)

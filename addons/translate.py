@@ -28,8 +28,9 @@ from openforge.protocols.sse import Event, SseReader
 CLIENT_PROTOCOLS = ("anthropic", "responses")
 TRANSLATE_MODES = ("never", "auto", "always")
 
-# Client protocols on which each engine profile returns exact token ids natively. Empty everywhere today
-# (docs/engines.md): vLLM, SGLang and llama.cpp give token ids on Chat Completions / Completions only.
+# Client protocols on which each engine profile returns exact token ids and logprobs natively. Empty
+# everywhere today (docs/engines.md): vLLM's Responses gives ids (`enable_response_messages`, injected when
+# not translated) but no logprobs for a streamed or tool-calling answer, so auto still translates it.
 _TOKEN_IDS_NATIVE: dict[str, frozenset[str]] = {
     "vllm": frozenset(),
     "sglang": frozenset(),

@@ -528,6 +528,7 @@ def _parse_responses(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, s
     tools = _proxy_conversion(responses.tools, request)
     usage = final.get("usage") or {}
     has_calls = bool(completion.get("tool_calls"))
+    prompt_ids, completion_ids = engine_ids.vllm_responses_ids(final)
     return [Call(
         **_base(rec, 0, "responses", streamed),
         messages=messages,
@@ -536,6 +537,8 @@ def _parse_responses(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, s
         finish_reason="tool_calls" if has_calls else final.get("status"),
         prompt_tokens=usage.get("input_tokens"),
         completion_tokens=usage.get("output_tokens"),
+        engine_prompt_ids=prompt_ids,
+        engine_completion_ids=completion_ids,
     )]
 
 

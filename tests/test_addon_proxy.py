@@ -56,7 +56,7 @@ def by_episode(proxy: Any, episode: str) -> list[dict[str, Any]]:
 def comparable(obj: Any) -> Any:
     """Engine answers differ per call only in their id and creation time."""
     if isinstance(obj, dict):
-        return {k: comparable(v) for k, v in obj.items() if k not in ("id", "created")}
+        return {k: comparable(v) for k, v in obj.items() if k not in ("id", "created", "created_at", "item_id")}
     if isinstance(obj, list):
         return [comparable(v) for v in obj]
     return obj
@@ -168,6 +168,28 @@ def test_responses_client_through_translation(proxy: Any) -> None:
     (rec,) = by_episode(proxy, "resp")
     assert rec["translated"]["from"] == "responses" and rec["has_token_ids"]
     assert rec["client_response"]["chunks"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_untranslated_to_vllm_client_sees_the_unasked_answer(engine: Any, start_proxy: Any,
+                                                                         stream: bool) -> None:
+    """`openforge_translate=never`: the call goes to vLLM's /v1/responses asking `enable_response_messages`;
+    the client gets the answer as if unasked (both fields null), the record keeps the engine's ids."""
+    p = start_proxy(engine.url, f"openforge_upstream_key={UPSTREAM_KEY}", "openforge_translate=never")
+    body = {"model": "m", "input": "hello there", "stream": stream}
+    direct = httpx.post(f"{engine.url}/v1/responses", json=body,
+                        headers={"authorization": f"Bearer {UPSTREAM_KEY}"}).content
+    via = post(f"{p.url}/e/native-{stream}/v1/responses", body).content
+    if stream:
+        assert comparable(sse_events(via)) == comparable(sse_events(direct))
+    else:
+        assert comparable(json.loads(via)) == comparable(json.loads(direct))
+    assert b'"output_messages":null' in via.replace(b" ", b"") and b"raw_message_tokens" not in via
+    (rec,) = by_episode(p, f"native-{stream}")
+    assert rec["translated"] is None and rec["injected"] == ["enable_response_messages"] and rec["has_token_ids"]
+    assert json.loads(rec["upstream_request"]["body"])["enable_response_messages"] is True
+    raw = b"".join(c[1] for c in rec["response"]["chunks"]) if stream else rec["response"]["body"]
+    assert b"raw_message_tokens" in raw
 
 
 # -- episodes, roles, passthrough, rewards, errors ---------------------------------------------------------

@@ -81,6 +81,46 @@ def test_inject_per_profile() -> None:
     assert profiles.inject("llamacpp", "chat", {"logprobs": True}) == []
     assert profiles.inject("generic", "completions", {}) == ["logprobs"]
     assert profiles.inject("vllm", "anthropic", {}) == []
+    body = {"input": "hi"}
+    assert profiles.inject("vllm", "responses", body) == ["enable_response_messages"]
+    assert body["enable_response_messages"] is True
+    assert profiles.inject("vllm", "responses", {"enable_response_messages": True}) == []  # the client's own
+    assert profiles.inject("sglang", "responses", {}) == profiles.inject("generic", "responses", {}) == []
+
+
+# vLLM 0.32's Responses stream with `enable_response_messages` (a 3-token answer, events shortened): the ids
+# come on the final event only; unasked, vLLM answers both fields null on every event.
+RAW = [{"message": "<|im_start|>user\nSay hi<|im_end|>\n", "tokens": [1, 4093, 198, 2], "type": "raw_message_tokens"}]
+VLLM_RESPONSES_EVENTS = [
+    {"response": {"id": "resp_1", "output": [], "status": "in_progress", "top_logprobs": None,
+                  "input_messages": None, "output_messages": None}, "sequence_number": 0, "type": "response.created"},
+    {"content_index": 0, "delta": "I", "item_id": "msg_1", "logprobs": [], "output_index": 0,
+     "sequence_number": 1, "type": "response.output_text.delta"},
+    {"response": {"id": "resp_1", "status": "incomplete", "top_logprobs": None, "output": [
+        {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+         "content": [{"annotations": [], "text": "I'm glad", "type": "output_text", "logprobs": None}]}],
+        "input_messages": RAW, "output_messages": [{"message": "I'm glad", "tokens": [57, 5248, 18948],
+                                                    "type": "raw_message_tokens"}]},
+     "sequence_number": 2, "type": "response.completed"},
+]
+
+
+def test_sse_stripper_gives_a_vllm_responses_stream_as_unasked() -> None:
+    stream = b"".join(f"event: {e['type']}\ndata: {json.dumps(e, separators=(',', ':'))}\n\n".encode()
+                      for e in VLLM_RESPONSES_EVENTS)
+    whole = profiles.SseStripper(["enable_response_messages"])
+    out = whole.feed(stream) + whole.feed(b"")
+    assert whole.saw_ids
+    unasked = json.loads(json.dumps(VLLM_RESPONSES_EVENTS))
+    unasked[2]["response"].update(input_messages=None, output_messages=None)
+    assert [json.loads(line[5:]) for line in out.split(b"\n") if line.startswith(b"data:")] == unasked
+    assert out.split(b"\n\n")[:2] == stream.split(b"\n\n")[:2]  # events without ids pass byte for byte
+    for cut in range(1, len(stream), 7):
+        s = profiles.SseStripper(["enable_response_messages"])
+        assert s.feed(stream[:cut]) + s.feed(stream[cut:]) + s.feed(b"") == out
+    answer = json.loads(json.dumps(VLLM_RESPONSES_EVENTS[2]["response"]))
+    assert profiles.strip(answer, ["enable_response_messages"]) and answer == unasked[2]["response"]
+    assert not profiles.strip(answer, ["enable_response_messages"])  # nothing left: the bytes stay as they are
 
 
 @pytest.mark.parametrize("body, found", [

@@ -233,6 +233,54 @@ def test_vllm_responses_translated(proxy: Any) -> None:
     assert events[-1].type in ("response.completed", "response.incomplete")
 
 
+def response_messages(response: Any) -> tuple[Any, Any]:
+    """The `input_messages` / `output_messages` a client sees on a Responses answer (vLLM sends both keys)."""
+    extra = response.model_extra or {}
+    return extra.get("input_messages", "absent"), extra.get("output_messages", "absent")
+
+
+def few_shot_items() -> list[dict[str, Any]]:
+    """The worked examples as Responses input items."""
+    items: list[dict[str, Any]] = []
+    for m in FEW_SHOT:
+        if m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                       "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": m["content"]})
+        else:
+            items.append({"role": m["role"], "content": m["content"]})
+    return items
+
+
+def test_vllm_responses_untranslated_are_token_exact(server: Server, start_proxy: Any, tmp_path: Path) -> None:
+    """`openforge_translate=never`: Responses calls go to vLLM's own /v1/responses, the proxy asking
+    `enable_response_messages`. The client sees the answer as unasked (`input_messages` / `output_messages`
+    null, the keys vLLM sends), not streamed, streamed and with a function tool; after reconstruct each call's
+    trainable tokens are vLLM's `output_messages` ids after its `input_messages` ids."""
+    proxy = start_proxy(server.url, "openforge_translate=never")
+    question = [{"role": "user", "content": "What is 5 * 5?" + ASK}]
+    done = oai(proxy, "native-0").responses.create(model=MODEL, input=question, max_output_tokens=MAX_TOKENS)
+    direct = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0).responses.create(
+        model=MODEL, input=question, max_output_tokens=MAX_TOKENS)
+    assert done.output and response_messages(done) == response_messages(direct) == (None, None)
+    assert done.model_dump().keys() == direct.model_dump().keys()
+    events = list(oai(proxy, "native-1").responses.create(model=MODEL, input=question, max_output_tokens=MAX_TOKENS,
+                                                           stream=True))
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert all(response_messages(e.response) == (None, None) for e in events if hasattr(e, "response"))
+    tool = oai(proxy, "native-2").responses.create(model=MODEL, instructions=SYSTEM, input=few_shot_items() + question,
+                                                   tools=RESPONSES_TOOLS, max_output_tokens=TOOL_TOKENS, temperature=0)
+    assert tool.output and response_messages(tool) == (None, None)
+    records = engine_records(proxy.flow_dir)
+    assert [(r["injected"], r["translated"], r["has_token_ids"]) for r in records] == [
+        (["enable_response_messages"], None, True)] * 3
+    calls, protocols = check_token_exact(proxy, tmp_path / "db.duckdb", episodes="native-")
+    assert calls == 3 and protocols == {"responses"}
+    print(f"vLLM Responses untranslated: the tool turn answered {[item.type for item in tool.output]}")
+
+
 # ---------------------------------------------------------------- the engine's own answers, from raw records
 
 
@@ -243,11 +291,16 @@ def sse_data(raw: bytes) -> Iterator[dict[str, Any]]:
             yield json.loads(line[5:])
 
 
-def engine_side(rec: dict[str, Any]) -> tuple[list[int], list[int], list[float]]:
-    """(prompt ids, generated ids, their logprobs) as vLLM returned them for one Chat or Completions call."""
+def engine_side(rec: dict[str, Any]) -> tuple[list[int], list[int], list[float] | None]:
+    """(prompt ids, generated ids, their logprobs) as vLLM returned them for one Chat or Completions call,
+    or for a Responses call forwarded untranslated: its `input_messages` / `output_messages` ids, no logprobs."""
     resp = rec["response"]
     objs = (list(sse_data(b"".join(c for _, c in resp["chunks"]))) if resp["streamed"]
             else [json.loads(resp["body"])])
+    if rec["upstream_request"]["url"].endswith("/responses"):
+        final = objs[-1].get("response", objs[-1])  # streamed: the last event is response.completed (or incomplete)
+        (prompt,), (gen,) = ([m["tokens"] for m in final[key]] for key in ("input_messages", "output_messages"))
+        return prompt, gen, None
     prompt: list[int] = []
     ids: list[int] = []
     lps: list[float] = []
@@ -265,14 +318,14 @@ def engine_records(flow_dir: Path) -> list[dict[str, Any]]:
     return [rec for path in sorted(flow_dir.glob("*.flows")) for rec in open_flow_file(path).records()
             if rec.get("type") == "exchange" and rec.get("response") and rec["response"].get("status") == 200
             and rec.get("upstream_request")
-            and rec["upstream_request"]["url"].endswith(("/chat/completions", "/completions"))]
+            and rec["upstream_request"]["url"].endswith(("/completions", "/responses"))]
 
 
 def check_token_exact(proxy: Any, db: Path, episodes: str = "") -> tuple[int, set[str]]:
     """Reconstruct every flow file of the module into `db`; then, for each finished call of an episode
-    starting with `episodes`: its trainable tokens are vLLM's generated ids with vLLM's logprobs, after
-    vLLM's own `prompt_token_ids`, and nothing else of its sample is trainable. Prints the counts;
-    returns (calls checked, their protocols)."""
+    starting with `episodes`: its trainable tokens are vLLM's generated ids with vLLM's logprobs (none for
+    an untranslated Responses call), after vLLM's own prompt ids, and nothing else of its sample is
+    trainable. Prints the counts; returns (calls checked, their protocols)."""
     import duckdb
 
     from openforge.models import hf_dir
@@ -293,14 +346,17 @@ def check_token_exact(proxy: Any, db: Path, episodes: str = "") -> tuple[int, se
     expected_mask = {sid: np.zeros_like(mask) for sid, (_, mask, _) in samples.items() if sid.startswith(episodes)}
     for rec in records:
         prompt, gen, lps = engine_side(rec)
-        assert prompt and gen and len(lps) == len(gen), rec["id"]
+        assert prompt and gen and (lps is None or len(lps) == len(gen)), rec["id"]
         ids, mask, behaviour = samples[owner[rec["id"]]]
         p, g = len(prompt), len(gen)
         prompt_checked += p
         prompt_mismatched += int(np.sum(ids[:p] != np.array(prompt))) if len(ids) >= p else p
         checked += g
         mismatched += int(np.sum((ids[p:p + g] != np.array(gen)) | (mask[p:p + g] != 1))) if len(ids) >= p + g else g
-        assert behaviour is not None and np.array_equal(behaviour[p:p + g], np.array(lps, dtype=np.float32)), rec["id"]
+        if lps is None:  # an untranslated Responses call: ids only
+            assert behaviour is None, rec["id"]
+        else:
+            assert behaviour is not None and np.array_equal(behaviour[p:p + g], np.array(lps, np.float32)), rec["id"]
         expected_mask[owner[rec["id"]]][p:p + g] = 1
     protocols = {rec["protocol"] for rec in records}
     print(f"\nvLLM token check over {len(records)} calls ({', '.join(sorted(protocols))}): "

@@ -93,6 +93,23 @@ def test_engine_ids_by_engine() -> None:
     assert engine_ids.has_token_ids({"choices": [{"logprobs": {"content": [{"id": 1}]}}]})
 
 
+def test_vllm_responses_ids_from_response_messages() -> None:
+    """vLLM 0.32's `enable_response_messages` answer: one raw entry each side is one generation's ids."""
+    def raw(*tokens: int) -> list[dict]:
+        return [{"message": "text", "tokens": list(tokens), "type": "raw_message_tokens"}]
+
+    answer = {"output": [], "input_messages": raw(1, 2), "output_messages": raw(7, 2)}
+    assert engine_ids.vllm_responses_ids(answer) == ([1, 2], [7, 2])
+    assert engine_ids.has_token_ids({"type": "response.completed", "response": answer})
+    assert engine_ids.body_has_token_ids(json.dumps(answer).encode())
+    unasked = {"output": [], "input_messages": None, "output_messages": None}
+    assert engine_ids.vllm_responses_ids(unasked) == (None, None) and not engine_ids.has_token_ids(unasked)
+    assert not engine_ids.body_has_token_ids(json.dumps(unasked).encode())
+    loop = dict(answer, output_messages=raw(7) + raw(3, 4))  # a server-side tool loop: two generations
+    harmony = dict(answer, input_messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert engine_ids.vllm_responses_ids(loop) == engine_ids.vllm_responses_ids(harmony) == (None, None)
+
+
 def test_generated_text_of_a_stream_is_that_of_the_whole_answer() -> None:
     from openforge.protocols import anthropic, chat, responses
 

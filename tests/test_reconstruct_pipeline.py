@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from openforge.reconstruct import reconstruct
-from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows, trainable_segments
+from tests.support.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
 
 
 def run(tmp_path: Path, retok, **kw):
@@ -51,6 +51,33 @@ def test_reconstruct_retokenized_equals_engine_ids(tmp_path, retok):
     assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
     assert b["behaviour_logprobs"] is None
     assert b["episode_id"].startswith("conv-")  # linked by conversation: no episode id was recorded
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reconstruct_native_vllm_responses_uses_engine_ids(tmp_path, retok, stream):
+    """A Responses call forwarded to vLLM untranslated (`openforge_translate=never`): its sample is vLLM's
+    `input_messages` ids then its `output_messages` ids (token source `engine`), for a text answer and a
+    tool call; the same answer without those fields (another engine, older vLLM) is retokenized."""
+    request = {"model": "qwen3", "instructions": SYSTEM, "tools": [{"type": "function", **BASH["function"]}],
+               "input": [{"role": "user", "content": "List the tests."}]}
+    call = {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}
+    answers = [
+        ([{"type": "function_call", "call_id": "call_1", "name": "bash", "arguments": '{"command": "ls"}'}],
+         {"content": "", "tool_calls": [call]}),
+        ([{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Two tests."}]}],
+         {"content": "Two tests."}),
+    ]
+    for engine in (True, False):
+        f = FlowFactory(tmp_path / str(engine) / "flows", seed=3)
+        for n, (output, assistant) in enumerate(answers):
+            f.write(f.responses(request, output, assistant, episode=f"ep{n}", engine_ids=engine, stream=stream))
+        f.close()
+        s = run(tmp_path / str(engine), retok, missing_reward="fill:1")
+        assert (s.calls, s.calls_engine_ids, s.samples) == (2, 2 if engine else 0, 2), s
+        samples = db_rows(tmp_path / str(engine) / "db.duckdb", "SELECT * FROM samples ORDER BY sample_id")
+        assert {x["token_source"] for x in samples} == {"engine" if engine else "retokenized"}
+        assert [segments(x) for x in samples] == [[ids] for ids in f.completions]
+        assert all(x["behaviour_logprobs"] is None for x in samples)  # ids only: see docs/engines.md
 
 
 def test_reconstruct_qwen3_stripped_reasoning_branches_as_template(tmp_path, retok):

@@ -1,7 +1,8 @@
-"""Where each engine puts token ids and logprobs in a Chat / Completions answer.
+"""Where each engine puts token ids and logprobs in an answer.
 
 vLLM (and recent SGLang) answer `return_token_ids` with `prompt_token_ids` and per-choice `token_ids`;
 SGLang also reports them under `sglext`; llama.cpp's server puts each token's `id` inside its logprobs entry.
+On Responses, vLLM answers `enable_response_messages` with `input_messages` / `output_messages`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,30 @@ def vllm_prompt_ids(body: dict[str, Any], choice: dict[str, Any]) -> Any:
 
 def vllm_completion_ids(choice: dict[str, Any]) -> list[int]:
     return choice.get("token_ids") or []
+
+
+def vllm_responses_ids(response: dict[str, Any]) -> tuple[list[int] | None, list[int] | None]:
+    """(prompt ids, completion ids) of a vLLM Responses answer from `input_messages` / `output_messages`
+    (`enable_response_messages`), else (None, None).
+
+    Each holds one `raw_message_tokens` entry `{message, tokens}` when one generation made the answer;
+    more entries (a server-side tool loop: several generations) or harmony messages (no `tokens`) are
+    not one prompt and its completion.
+    """
+    prompt, completion = _raw_tokens(response.get("input_messages")), _raw_tokens(response.get("output_messages"))
+    if prompt is None or completion is None:
+        return None, None
+    return prompt, completion
+
+
+def _raw_tokens(messages: Any) -> list[int] | None:
+    if not isinstance(messages, list) or len(messages) != 1 or not isinstance(messages[0], dict):
+        return None
+    entry = messages[0]
+    tokens = entry.get("tokens")
+    if entry.get("type") != "raw_message_tokens" or not isinstance(tokens, list) or not tokens:
+        return None
+    return tokens if all(isinstance(t, int) and not isinstance(t, bool) for t in tokens) else None
 
 
 def sglang_ids(sglext: dict[str, Any]) -> tuple[Any, list[int]]:
@@ -52,6 +77,9 @@ def has_token_ids(obj: Any) -> bool:
         return False
     if obj.get("prompt_token_ids") or obj.get("token_ids"):
         return True
+    response = obj.get("response")  # a Responses stream event carries the answer there
+    if vllm_responses_ids(response if isinstance(response, dict) else obj)[1] is not None:
+        return True
     for choice in obj.get("choices") or ():
         if isinstance(choice, dict):
             if choice.get("token_ids") or choice.get("prompt_token_ids") or llamacpp_has_ids(choice):
@@ -63,10 +91,12 @@ def has_token_ids(obj: Any) -> bool:
 # preceded by a quote (or by `"prompt_`) can only be a key.
 _NON_EMPTY_LIST = re.compile(rb'\s*:\s*\[\s*\d')
 _LOGPROBS_OBJECT = re.compile(rb'"logprobs"\s*:\s*\{')
+_RAW_MESSAGE_TOKENS = b'"raw_message_tokens"'  # the type of vLLM's Responses `input_messages` entries
 
 
 def body_has_token_ids(body: bytes | None) -> bool:
-    """`has_token_ids` of a JSON answer, parsing it only for llama.cpp-style ids in logprobs."""
+    """`has_token_ids` of a JSON answer, parsing it only for llama.cpp-style ids in logprobs or vLLM's
+    Responses `output_messages`."""
     if not body:
         return False
     i = body.find(b'token_ids"')  # a plain search: a regex starting at every quote of the body is ~10x slower
@@ -74,7 +104,7 @@ def body_has_token_ids(body: bytes | None) -> bool:
         if (body[i - 1:i] == b'"' or body[max(0, i - 8):i] == b'"prompt_') and _NON_EMPTY_LIST.match(body, i + 10):
             return True
         i = body.find(b'token_ids"', i + 10)
-    if b'"id"' not in body or not _LOGPROBS_OBJECT.search(body):
+    if _RAW_MESSAGE_TOKENS not in body and (b'"id"' not in body or not _LOGPROBS_OBJECT.search(body)):
         return False
     try:
         return has_token_ids(json.loads(body))
@@ -85,7 +115,8 @@ def body_has_token_ids(body: bytes | None) -> bool:
 def stream_has_token_ids(chunks: list[list[Any]]) -> bool:
     """Scan a finished SSE stream (off the per-chunk path) for an event that carries token ids."""
     for line in b"".join(c[1] for c in chunks).split(b"\n"):
-        if line.startswith(b"data:") and (b"token_ids" in line or b'"logprobs"' in line):
+        if line.startswith(b"data:") and (b"token_ids" in line or b'"logprobs"' in line
+                                          or _RAW_MESSAGE_TOKENS in line):
             if body_has_token_ids(line[5:].strip()):
                 return True
     return False

@@ -239,12 +239,56 @@ class FlowFactory:
         upstream = dict(body, return_token_ids=True, logprobs=True if protocol == "chat" else 1)
         return self._exchange(protocol, body, upstream, response, episode, True)
 
+    def responses(self, request: dict[str, Any], output: list[dict[str, Any]], assistant: dict[str, Any], *,
+                  episode: str | None = None, engine_ids: bool = True, stream: bool = False) -> ExchangeRecord:
+        """One Responses exchange forwarded to vLLM untranslated: `output` is the answer's items, `assistant`
+        the same turn as a Chat message (what the model generated). With `engine_ids` the proxy asked for
+        `enable_response_messages` and vLLM 0.32 answered the rendered prompt and the generated ids in
+        `input_messages` / `output_messages` (streamed: on `response.completed`); without, both are null."""
+        from openforge.protocols import responses
+        from openforge.protocols.chat import Drops
+
+        chat = responses.request(request, Drops())
+        prompt = self.tok.apply_chat_template(chat["messages"], tools=chat.get("tools"), add_generation_prompt=True,
+                                              tokenize=False)
+        prompt_ids = self.tok.encode(prompt, add_special_tokens=False)
+        text = generated_text(assistant.get("reasoning_content", ""), assistant.get("content") or "",
+                              assistant.get("tool_calls") or [])
+        ids = self.tok.encode(text, add_special_tokens=False)
+        self.completions.append(ids)
+
+        def raw(message: str, tokens: list[int]) -> list[dict[str, Any]] | None:
+            return [{"message": message, "tokens": tokens, "type": "raw_message_tokens"}] if engine_ids else None
+
+        final = {"id": "resp_x", "object": "response", "status": "completed", "output": output,
+                 "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(ids)},
+                 "input_messages": raw(prompt, prompt_ids), "output_messages": raw(text, ids)}
+        response: HttpResponse
+        if stream:
+            start = dict(final, status="in_progress", output=[], usage=None, input_messages=None, output_messages=None)
+            events = [{"type": "response.created", "response": start}]
+            events += [{"type": "response.output_item.done", "output_index": i, "item": item}
+                       for i, item in enumerate(output)]
+            events.append({"type": "response.completed", "response": final})
+            stream_bytes = b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
+            cuts = sorted(self.wire_rng.sample(range(1, len(stream_bytes)), 5))
+            response = {"status": 200, "headers": [["content-type", "text/event-stream"]], "body": None,
+                        "chunks": [[self.t, stream_bytes[a:b]] for a, b in zip([0] + cuts, cuts + [len(stream_bytes)])],
+                        "streamed": True}
+        else:
+            response = {"status": 200, "headers": [["content-type", "application/json"]],
+                        "body": json.dumps(final).encode(), "chunks": None, "streamed": False}
+        body = dict(request, stream=stream)
+        upstream = dict(body, enable_response_messages=True) if engine_ids else body
+        return self._exchange("responses", body, upstream, response, episode, engine_ids, path="/v1/responses",
+                              injected=["enable_response_messages"] if engine_ids else [])
+
     def _exchange(self, protocol: str, body: dict[str, Any], upstream: dict[str, Any], response: HttpResponse,
-                  episode: str | None, engine_ids: bool, role: str = "agent",
-                  toolchain: str = "openai-python") -> ExchangeRecord:
+                  episode: str | None, engine_ids: bool, role: str = "agent", toolchain: str = "openai-python",
+                  path: str = "/v1/chat/completions", injected: list[str] | None = None) -> ExchangeRecord:
         self.seq += 1
         self.t += 1.0
-        req = {"method": "POST", "url": "http://127.0.0.1:8000/v1/chat/completions",
+        req = {"method": "POST", "url": f"http://127.0.0.1:8000{path}",
                "headers": [["content-type", "application/json"]]}
         return {
             "type": "exchange", "id": uuid.uuid4().hex, "proxy": self.writer.instance, "seq": self.seq,
@@ -253,7 +297,8 @@ class FlowFactory:
             "toolchain": toolchain, "protocol": protocol, "model": "qwen3", "upstream_model": "Qwen/Qwen3-8B",
             "engine_profile": "vllm", "client_request": {**req, "body": json.dumps(body).encode()},
             "upstream_request": {**req, "body": json.dumps(upstream).encode()}, "response": response,
-            "client_response": None, "injected": ["return_token_ids", "logprobs"] if engine_ids else [],
+            "client_response": None,
+            "injected": injected if injected is not None else ["return_token_ids", "logprobs"] if engine_ids else [],
             "translated": None, "has_token_ids": engine_ids, "error": None,
         }
 

@@ -12,7 +12,9 @@ a tool result -> final text; otherwise plain text.
 Token ids (Chat and Completions only, like real engines):
 - `profile="vllm"`: `"return_token_ids": true` adds `prompt_token_ids` and `choices[].token_ids` (streamed:
   prompt ids in the first chunk, each chunk's new ids in its `choices[0].token_ids`). The completion ids end
-  with the end-of-turn token, as vLLM's do.
+  with the end-of-turn token, as vLLM's do. A Responses answer carries `input_messages` / `output_messages`,
+  null unless `"enable_response_messages": true` asks for the rendered prompt and the ids (vLLM 0.32's
+  shape; streamed: on the final event).
 - `profile="llamacpp"`: no token-id fields; every `logprobs.content` entry carries the token `id`.
 - `profile="generic"`: neither.
 `logprobs: true` (Chat) or an int (Completions) adds deterministic fake logprobs (-0.1*(i%7)-0.01).
@@ -380,6 +382,10 @@ class ScriptedEngine:
     @staticmethod
     def logprob(i: int) -> float:
         return round(-0.1 * (i % 7) - 0.01, 4)
+
+    def raw_message(self, ids: list[int]) -> dict[str, Any]:
+        """vLLM's `raw_message_tokens` entry of a Responses answer: the text and its ids."""
+        return {"message": self.decode(ids), "tokens": ids, "type": "raw_message_tokens"}
 
     def logprob_entries(self, ids: list[int], first_index: int) -> list[dict[str, Any]]:
         entries = []
@@ -764,6 +770,10 @@ class ScriptedEngine:
                     "model": conv.model, "output": [item], "parallel_tool_calls": True, "tool_choice": "auto",
                     "tools": body.get("tools") or [], "usage": usage, "error": None,
                     "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None}
+        if self.profile == "vllm":
+            asked = body.get("enable_response_messages") is True
+            response["input_messages"] = [self.raw_message(prompt)] if asked else None
+            response["output_messages"] = [self.raw_message(rep.ids)] if asked else None
         if not body.get("stream"):
             return self._send_json(h, 200, response)
 
@@ -774,6 +784,8 @@ class ScriptedEngine:
                 return self._sse({"type": kind, "sequence_number": next(seq), **fields}, kind)
 
             pending = {**response, "status": "in_progress", "output": [], "usage": None}
+            if self.profile == "vllm":
+                pending.update(input_messages=None, output_messages=None)
             yield ev("response.created", response=pending)
             yield ev("response.in_progress", response=pending)
             if rep.tool_name:
