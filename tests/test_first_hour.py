@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
 FIRST_BLOCK = ("make demo   # sets up .venv (CPU torch, everything pinned) and runs the end-to-end demo on the "
-               "embedded CPU engine\nmake test   # sets up .venv and .venv312 and runs the whole test suite "
-               "(what .ci/run runs)\n")
+               "embedded CPU engine\nmake test   # sets up .venv, .venv312 and .venv-vllm, lints (ruff, mypy) and runs "
+               "the whole test suite (what .ci/run runs)\n")
 
 
 def commands(block: str) -> list[list[str]]:
