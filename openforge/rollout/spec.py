@@ -1,0 +1,103 @@
+"""What one rollout episode is, as the runner hands it to the episode entrypoint (a local process or a
+Kubernetes Job): the contract between them, plain JSON-able data.
+
+Secrets never travel in a spec: the agent's proxy key comes from `OPENFORGE_CLIENT_TOKEN` and the
+verifier's reward token from `OPENFORGE_REWARD_TOKEN`, both from the environment (a Secret in a Job), and
+the agent's process never sees the reward token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SPEC_VERSION = 1
+CLIENT_TOKEN_ENV = "OPENFORGE_CLIENT_TOKEN"
+REWARD_TOKEN_ENV = "OPENFORGE_REWARD_TOKEN"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One line of a task file (docs/rollouts.md)."""
+
+    id: str
+    prompt: str
+    verify: str  # shell command run in the workspace after the agent; last stdout line a number, or exit 0 -> 1.0
+    files: dict[str, str] = field(default_factory=dict)  # workspace path -> content
+    setup: str | None = None  # shell command run in the workspace before the agent
+    timeout_s: float = 600.0
+    toolchains: tuple[str, ...] | None = None  # only these toolchains run the task
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How to run one CLI: `command` and `env` values take `{prompt}`, `{workdir}`, `{episode}`,
+    `{base_url}` and `{api_key}`; `config_files` (path under the episode's home -> content, same
+    placeholders) are written before it starts."""
+
+    name: str
+    command: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    config_files: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One attempt of one task by one toolchain. `episode` is the proxy's episode id (its calls are grouped
+    by the `/e/<episode>/` prefix of `base_url`); `proxy_url` is the proxy's own base URL (rewards)."""
+
+    run_id: str
+    episode: str
+    task: Task
+    adapter: Adapter
+    attempt: int
+    proxy_url: str
+    out_dir: str  # stdout, stderr, result.json of this episode
+    workdir: str
+    home: str
+    fresh_verify_copy: bool = False  # verify in a copy of the workspace taken right after the agent exits
+    version: int = SPEC_VERSION
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.proxy_url.rstrip('/')}/e/{self.episode}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> EpisodeSpec:
+        data = json.loads(text)
+        if data.get("version") != SPEC_VERSION:
+            raise ValueError(f"episode spec version {data.get('version')!r}, this OpenForge reads {SPEC_VERSION}")
+        task = dict(data.pop("task"))
+        task["toolchains"] = tuple(task["toolchains"]) if task.get("toolchains") is not None else None
+        adapter = dict(data.pop("adapter"))
+        adapter["command"] = tuple(adapter["command"])
+        return cls(task=Task(**task), adapter=Adapter(**adapter), **data)
+
+    @classmethod
+    def read(cls, path: Path) -> EpisodeSpec:
+        return cls.from_json(path.read_text())
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    """What the entrypoint writes to `<out_dir>/result.json`. `status`: ok (agent exited 0 and the verifier
+    gave a reward), agent_failed (non-zero exit), timeout, crashed (could not start), verify_failed (no
+    reward from the verifier: garbage, timeout, crash). `reward` is the verifier's, None when it gave none."""
+
+    episode: str
+    task_id: str
+    toolchain: str
+    attempt: int
+    status: str
+    reward: float | None
+    reason: str = ""
+    exit_code: int | None = None
+    agent_s: float = 0.0
+    verify_s: float = 0.0
+    reward_posted: bool = False
