@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +37,14 @@ def test_protocols_need_only_the_standard_library() -> None:
     loaded = imported_by(", ".join(modules)) - imported_by("sys")  # less what site start-up loads
     outside = {m.split(".")[0] for m in loaded} - set(sys.stdlib_module_names) - {"openforge"}
     assert not outside
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject.toml lists packages by name: a package folder missing there is missing from the wheel."""
+    import os
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(Path(d).relative_to(ROOT).parts) for d, _, files in os.walk(ROOT / "openforge", followlinks=True)
+             if "__init__.py" in files}
+    assert found == listed
