@@ -129,7 +129,7 @@ def test_labels_names_deadlines_and_pod_settings(specs: list[EpisodeSpec], tmp_p
         assert len(job["metadata"]["name"]) <= 63
         assert job["spec"]["backoffLimit"] == 0
         assert job["spec"]["ttlSecondsAfterFinished"] == 3600
-        assert job["spec"]["activeDeadlineSeconds"] == {120.5: 121, 600: 600}[spec.task.timeout_s] + 300
+        assert job["spec"]["activeDeadlineSeconds"] == 3 * {120.5: 121, 600: 600}[spec.task.timeout_s] + 300
         pod = job["spec"]["template"]["spec"]
         assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
         (container,) = pod["containers"]

@@ -77,7 +77,7 @@ class K8sOptions:
     memory_request: str = "2Gi"
     memory_limit: str = "4Gi"
     ttl_seconds_after_finished: int = 3600
-    deadline_margin_s: int = 300  # beyond the task's timeout: image pull, setup, verifier, reward post
+    deadline_margin_s: int = 300  # beyond 3 x the task's timeout (setup, agent, verifier): image pull, post
     run_as_user: int = 1000
     allow_dns: bool = True
 
@@ -209,9 +209,10 @@ def pod_spec(spec: EpisodeSpec) -> EpisodeSpec:
 
 
 def deadline_s(spec: EpisodeSpec, options: K8sOptions) -> int:
-    """The Job's activeDeadlineSeconds: the task's timeout (the entrypoint enforces it and reports
-    `timeout` itself) plus a margin; the Job deadline is the last resort when the pod hangs."""
-    return math.ceil(spec.task.timeout_s) + options.deadline_margin_s
+    """The Job's activeDeadlineSeconds: the entrypoint bounds setup, agent and verifier each by the task's
+    timeout and reports `timeout` itself, so the deadline is three timeouts plus a margin (image pull,
+    reward post), the last resort when the pod hangs."""
+    return 3 * math.ceil(spec.task.timeout_s) + options.deadline_margin_s
 
 
 def configmap(spec: EpisodeSpec, options: K8sOptions) -> dict[str, Any]:
