@@ -203,3 +203,26 @@ def test_cli_bad_input_is_one_error_line_and_exit_2(tmp_path: Path, args: list[s
     assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
     if "is not one of" not in message:  # typer's own usage box for a choice; ours is one line
         assert done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_episode_entrypoint_loads_only_the_standard_library_and_refuses_a_bad_spec(tmp_path: Path) -> None:
+    """What a Job's container runs: no third-party import (a small image), exit 2 for an unreadable spec."""
+    code = "import sys, openforge.rollout.episode as e; print('\\n'.join(sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert not [m for m in loaded.stdout.split() if m.split(".")[0] in ("rich", "typer", "duckdb", "mitmproxy",
+                                                                         "httpx", "torch", "openai")]
+    (tmp_path / "spec.json").write_text(json.dumps({"version": 99}))
+    done = subprocess.run([sys.executable, "-m", "openforge.rollout.episode", str(tmp_path / "spec.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "episode spec version 99" in done.stderr, done.stderr
+
+
+def test_an_episode_process_that_dies_without_a_result_still_has_one(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from openforge.rollout import runner
+
+    [spec] = specs_for([Task("a", "p", "v")], ["x"], 1, tmp_path)
+    monkeypatch.setattr(runner.sys, "executable", "/bin/false")  # the episode process exits 1 at once
+    [res] = runner.run_local([spec], 1)
+    assert (res.status, res.reward, res.reward_posted) == ("crashed", None, False)
+    assert "exited 1 without result.json" in res.reason
