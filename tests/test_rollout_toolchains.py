@@ -1,5 +1,6 @@
 """`openforge rollout` with real, unmodified CLIs through their built-in adapters: mini-swe-agent (Python),
-Claude Code and Codex (Node; Codex through a config file in the episode's home), 2 tasks x 2 attempts each,
+Claude Code, Codex and Qwen Code (Node; Codex through a config file in the episode's home), 2 tasks x 2
+attempts each,
 against the toolchain engine (it makes each CLI run a real shell command, `ls`, and answer). The `ls` output
 with the task's marker file must reach the engine, and the verifiers' rewards must reach DuckDB through
 reconstruct."""
@@ -26,7 +27,7 @@ REWARD = "reward-token-rollout-cli-0123456789"
 MARKER = "rollout_marker_5d1c.txt"
 
 
-@pytest.mark.parametrize("name", ["mini-swe-agent", "claude-code", "codex"])
+@pytest.mark.parametrize("name", ["mini-swe-agent", "claude-code", "codex", "qwen-code"])
 def test_real_cli_rollout_two_tasks_two_attempts(name: str, qwen_tok: Any, retok: Any, start_proxy: Any,
                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if not toolchains.installed(name):
