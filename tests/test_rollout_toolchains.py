@@ -1,9 +1,8 @@
 """`openforge rollout` with real, unmodified CLIs through their built-in adapters: mini-swe-agent (Python),
 Claude Code, Codex and Qwen Code (Node; Codex through a config file in the episode's home), 2 tasks x 2
-attempts each,
-against the toolchain engine (it makes each CLI run a real shell command, `ls`, and answer). The `ls` output
-with the task's marker file must reach the engine, and the verifiers' rewards must reach DuckDB through
-reconstruct."""
+attempts each, against the toolchain engine (it makes each CLI run a real shell command, `ls`, and answer).
+The `ls` output with the task's marker file must reach the engine, and the verifiers' rewards must reach
+DuckDB through reconstruct."""
 
 from __future__ import annotations
 
