@@ -226,3 +226,11 @@ def test_an_episode_process_that_dies_without_a_result_still_has_one(tmp_path: P
     [res] = runner.run_local([spec], 1)
     assert (res.status, res.reward, res.reward_posted) == ("crashed", None, False)
     assert "exited 1 without result.json" in res.reason
+
+
+def test_the_episode_process_hides_its_environment_from_same_user_processes(tmp_path: Path) -> None:
+    """Non-dumpable: /proc/<pid>/environ (the reward token) is then unreadable to a non-root agent."""
+    code = ("import ctypes; from openforge.rollout.episode import hide_environment; libc = ctypes.CDLL(None); "
+            "before = libc.prctl(3, 0, 0, 0, 0); hide_environment(); print(before, libc.prctl(3, 0, 0, 0, 0))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["1", "0"]  # PR_GET_DUMPABLE before and after

@@ -156,14 +156,14 @@ def test_timeout_crash_and_garbage_verifier_are_recorded_and_rewarded_zero(proxy
                                                                           retok: Any) -> None:
     toolchain = custom_adapter(tmp_path)
     tasks = tasks_file(tmp_path / "tasks.jsonl",
-                       {"id": "sleepy", "prompt": "sleep", "verify": "echo 1", "timeout_s": 3},
+                       {"id": "sleepy", "prompt": "sleep", "verify": "echo 1", "timeout_s": 8},
                        {"id": "crashy", "prompt": "crash", "verify": "echo 1"},
                        {"id": "garbage", "prompt": "ok", "verify": "echo NaN"},
                        {"id": "chatty", "prompt": "ok", "verify": "echo 1; echo all tests passed"},
                        {"id": "badsetup", "prompt": "ok", "setup": "exit 7", "verify": "echo 1"})
     rollout = run(tasks, [toolchain], proxy=proxy.url, out=tmp_path / "out", concurrency=3, on_failure="zero")
     r = {x.task_id: x for x in rollout.results}
-    assert (r["sleepy"].status, r["sleepy"].exit_code) == ("timeout", None) and "killed after 3 s" in r["sleepy"].reason
+    assert (r["sleepy"].status, r["sleepy"].exit_code) == ("timeout", None) and "killed after 8 s" in r["sleepy"].reason
     assert (r["crashy"].status, r["crashy"].exit_code) == ("agent_failed", 3)
     assert r["garbage"].status == "verify_failed" and "'NaN' is not a finite number" in r["garbage"].reason
     assert r["chatty"].status == "verify_failed" and "'all tests passed' is not a number" in r["chatty"].reason

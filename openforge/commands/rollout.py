@@ -69,6 +69,7 @@ def rollout(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from openforge.rollout.episode import hide_environment
     from openforge.rollout.runner import RolloutError, execute, prepare
     from openforge.rollout.spec import EpisodeResult
 
@@ -79,6 +80,7 @@ def rollout(
                                 **options)
     except RolloutError as e:
         fail(str(e))
+    hide_environment()  # this process holds the reward token too
     console = Console(stderr=True)
     counts: dict[str, int] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

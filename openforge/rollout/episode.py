@@ -45,6 +45,17 @@ class EpisodeError(Exception):
         self.status, self.reason = status, reason
 
 
+def hide_environment() -> None:
+    """Make this process non-dumpable (Linux): its /proc/<pid>/environ, which holds the reward token, is then
+    unreadable to other processes of the same user, agents included (not to root). exec resets it, so the
+    agent and verifier are ordinary processes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_DUMPABLE = 4
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
 def tools_dir() -> str:
     """Where the agent CLIs are installed: $OPENFORGE_TOOLS_DIR, else this checkout's `.tools`."""
     return os.environ.get("OPENFORGE_TOOLS_DIR") or str(Path(__file__).resolve().parents[2] / ".tools")
@@ -245,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read the episode spec {args[0]}: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
+    hide_environment()
     result = run_episode(spec)
     print(f"{result.episode}: {result.status} reward={result.reward} {result.reason}".rstrip())
     return 0

@@ -104,9 +104,13 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
             running.add(proc)
         try:
             code = proc.wait(2 * spec.task.timeout_s + EPISODE_SLACK_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
+        except subprocess.TimeoutExpired:  # SIGTERM first: the episode then kills its agent's group
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                code = proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
         finally:
             with lock:
                 running.discard(proc)
