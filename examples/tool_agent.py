@@ -6,6 +6,10 @@ example (a calculator call, its result, the answer) because a 135M model calls t
 seen a tool call earlier in the conversation.
 
     python -m openforge.examples.tool_agent --proxy http://127.0.0.1:8080 --attempts 2
+
+One episode, as an ordinary agent CLI (what `openforge rollout --toolchain tool-agent` runs):
+
+    python -m openforge.examples.tool_agent --base-url http://127.0.0.1:8080/e/ep1 --prompt "What is 2 + 2?"
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import ast
 import json
 import operator
 import os
+import sys
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -126,14 +131,17 @@ class Episode:
 
 
 def run_episode(
-    proxy: str, task: Task, *, model: str = "smollm2", max_turns: int = 3, max_tokens: int = 64, timeout: float = 120.0
+    proxy: str, task: Task, *, model: str = "smollm2", max_turns: int = 3, max_tokens: int = 64, timeout: float = 120.0,
+    base_url: str | None = None,
 ) -> Episode:
-    """Run one attempt: model turn, tool calls, model turn ... until a plain answer or `max_turns`."""
+    """Run one attempt: model turn, tool calls, model turn ... until a plain answer or `max_turns`.
+    `base_url` (already holding the episode prefix) replaces `{proxy}/e/<new episode id>`."""
     from openai import OpenAI, OpenAIError
 
     episode = Episode(episode_id=f"{task.id}-{uuid.uuid4().hex[:8]}", task=task)
     key = os.environ.get("OPENFORGE_CLIENT_TOKEN", "openforge-demo")  # a proxy with client tokens checks it
-    client = OpenAI(base_url=f"{proxy}/e/{episode.episode_id}/v1", api_key=key, max_retries=0, timeout=timeout)
+    base_url = base_url or f"{proxy}/e/{episode.episode_id}"
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=timeout)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": task.question + ASK}]
     try:
@@ -192,16 +200,42 @@ def run_batch(
     return done
 
 
+def run_prompt(base_url: str, prompt: str, answer_file: str | None, **kwargs: Any) -> int:
+    """One episode on `prompt` at `base_url`: print the answer (and write it to `answer_file`); exit code 1
+    when the engine could not be reached or refused."""
+    episode = run_episode("", Task("prompt", prompt, 0), base_url=base_url, **kwargs)
+    if episode.error:
+        print(f"error: {episode.error}", file=sys.stderr)
+        return 1
+    print(episode.final)
+    if answer_file:
+        with open(answer_file, "w", encoding="utf-8") as f:
+            f.write(f"{episode.final}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     from openforge.examples.verifier import report, score
 
     parser = argparse.ArgumentParser(prog="python -m openforge.examples.tool_agent",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--proxy", required=True, help="OpenForge proxy base URL, e.g. http://127.0.0.1:8080")
+    batch = parser.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--proxy", help="OpenForge proxy base URL, e.g. http://127.0.0.1:8080: the example task set")
+    batch.add_argument("--base-url", help="one episode: base URL with its episode prefix (with --prompt)")
     parser.add_argument("--tasks", type=int, default=len(TASKS), help="how many tasks of the task set")
     parser.add_argument("--attempts", type=int, default=2, help="episodes per task (GRPO group size)")
+    parser.add_argument("--prompt", help="one episode: the question")
+    parser.add_argument("--answer-file", help="one episode: also write the answer to this file")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    for episode in run_batch(args.proxy, TASKS[: args.tasks], args.attempts):
+    if args.base_url:
+        if not args.prompt:
+            parser.error("--base-url needs --prompt")
+        sys.exit(run_prompt(args.base_url, args.prompt, args.answer_file, model=args.model,
+                            max_tokens=args.max_tokens))
+    for episode in run_batch(args.proxy, TASKS[: args.tasks], args.attempts, model=args.model,
+                             max_tokens=args.max_tokens):
         reward = score(episode)
         report(args.proxy, episode, reward)
         print(f"{episode.episode_id}: calls={episode.n_calls} reward={reward} final={episode.final!r}")

@@ -59,6 +59,7 @@ class EpisodeSpec:
     workdir: str
     home: str
     fresh_verify_copy: bool = False  # verify in a copy of the workspace taken right after the agent exits
+    on_failure: str = "zero"  # a failed episode's reward: "zero" posts 0.0, "drop" posts none
     version: int = SPEC_VERSION
 
     @property

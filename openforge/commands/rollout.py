@@ -1,0 +1,102 @@
+"""`openforge rollout`: run tasks x toolchains x attempts through a running proxy, verify each, post rewards."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from openforge.commands import fail
+
+
+class OnFailure(StrEnum):
+    """openforge.rollout.runner.ON_FAILURE."""
+
+    zero = "zero"
+    drop = "drop"
+
+
+class Backend(StrEnum):
+    """openforge.rollout.runner.BACKENDS."""
+
+    local = "local"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("rollout")(rollout)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def summary_table(title: str, groups: dict[str, dict[str, Any]], attempts: int) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("", "episodes", "mean reward", f"pass@{attempts}", f"pass^{attempts}", "failures", "mean time"):
+        table.add_column(col, justify="left" if col in ("", "failures") else "right")
+    for name, s in groups.items():
+        failures = ", ".join(f"{k} {v}" for k, v in s["failures"].items()) or "-"
+        mean = "-" if s["mean_reward"] is None else f"{s['mean_reward']:.3f}"
+        time = "-" if s["mean_seconds"] is None else f"{s['mean_seconds']:.1f} s"
+        table.add_row(name, str(s["episodes"]), mean, _pct(s["pass_at_k"]), _pct(s["pass_all_k"]), failures, time)
+    return table
+
+
+def rollout(
+    tasks: Path = typer.Option(..., "--tasks", help="Task file, one JSON object per line (docs/rollouts.md)."),
+    toolchain: list[str] = typer.Option(
+        ..., "--toolchain",
+        help="A built-in adapter (claude-code, codex, qwen-code, mini-swe-agent, tool-agent) or custom:FILE.toml; "
+             "repeat for several."),
+    attempts: int = typer.Option(1, help="Attempts per task and toolchain (k, the GRPO group size)."),
+    concurrency: int = typer.Option(1, help="Episodes running at once."),
+    proxy: str = typer.Option(..., help="The running OpenForge proxy's base URL, e.g. http://127.0.0.1:8080."),
+    out: Path = typer.Option(..., help="Directory for episodes (workspace, logs, result.json) and summary.json."),
+    on_failure: OnFailure = typer.Option(
+        OnFailure.zero, help="A failed, crashed or timed-out episode: 'zero' posts reward 0.0, 'drop' posts none "
+                             "(reconstruct's --missing-reward decides then)."),
+    fresh_verify_copy: bool = typer.Option(False, "--fresh-verify-copy",
+                                           help="Verify in a copy of the workspace taken after the agent exits."),
+    pass_threshold: float = typer.Option(1.0, help="An attempt passes when its reward is >= this."),
+    backend: Backend = typer.Option(Backend.local, help="Where episodes run."),
+) -> None:
+    """Run every task with every toolchain `--attempts` times, verify each episode and post its reward through
+    the proxy. Tokens: $OPENFORGE_CLIENT_TOKEN (the agents' key) and $OPENFORGE_REWARD_TOKEN (the verifier's)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from openforge.rollout.episode import hide_environment
+    from openforge.rollout.runner import RolloutError, execute, prepare
+    from openforge.rollout.spec import EpisodeResult
+
+    options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency, on_failure=on_failure.value,
+                                   pass_threshold=pass_threshold, backend=backend.value)
+    try:
+        run_id, specs = prepare(tasks, toolchain, proxy=proxy, out=out, fresh_verify_copy=fresh_verify_copy,
+                                **options)
+    except RolloutError as e:
+        fail(str(e))
+    hide_environment()  # this process holds the reward token too
+    console = Console(stderr=True)
+    counts: dict[str, int] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        bar = progress.add_task(f"rollout {run_id}", total=len(specs))
+
+        def done(result: EpisodeResult) -> None:
+            counts[result.status] = counts.get(result.status, 0) + 1
+            state = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            progress.update(bar, advance=1, description=f"rollout {run_id}: {state}")
+
+        result = execute(run_id, specs, out=out, on_done=done, **options)
+    summary = result.summary
+    out_console = Console()
+    out_console.print(summary_table("per task", summary["tasks"], attempts))
+    out_console.print(summary_table("per toolchain", summary["toolchains"], attempts))
+    out_console.print(summary_table("overall", {"all": summary["overall"]}, attempts))
+    out_console.print(f"{summary['rewards_posted']} rewards posted in {summary['wall_s']:.1f} s; "
+                      f"summary: {out / 'summary.json'}, episodes: {out / 'episodes'}")

@@ -1,0 +1,105 @@
+"""Adapters: how to run one agent CLI for an episode, read from a TOML file (docs/rollouts.md).
+
+The built-in ones (`openforge/rollout/adapters/*.toml`) are written in the same form as a user's
+`--toolchain custom:FILE.toml`, so what a built-in does is readable, and copyable, as data.
+
+Placeholders, in `command`, `env` values and `config_files` contents: `{prompt}`, `{workdir}`, `{episode}`,
+`{base_url}`, `{api_key}` (the spec's five), plus `{home}` (the episode's HOME), `{tools}` (where the CLIs
+are installed: $OPENFORGE_TOOLS_DIR, else `.tools` of this checkout), `{python}` (the episode's Python) and
+`{path}` (the inherited PATH). They are filled in by the episode process, so `{tools}` and `{python}` are
+those of the machine (or pod) that runs it. Other braces (JSON in a config file) are left as they are.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from openforge.rollout.spec import Adapter
+from openforge.rollout.tasks import ID, relative_path
+
+PLACEHOLDERS = ("prompt", "workdir", "episode", "base_url", "api_key", "home", "tools", "python", "path")
+_PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
+CUSTOM = "custom:"
+KEYS = {"command", "env", "config_files"}
+
+
+class AdapterError(ValueError):
+    """An adapter file that cannot be used; the message names the file and key."""
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files(__package__).joinpath("adapters").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def render(template: str, values: Mapping[str, str]) -> str:
+    """`template` with each known `{name}` replaced; anything else (JSON braces) kept."""
+    return _PLACEHOLDER.sub(lambda m: values[m[1]] if m[1] in PLACEHOLDERS else m[0], template)
+
+
+def _check_placeholders(where: str, text: str) -> None:
+    for name in _PLACEHOLDER.findall(text):
+        if name not in PLACEHOLDERS:
+            raise AdapterError(f"{where}: unknown placeholder {{{name}}} (known: "
+                               f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
+
+
+def parse_adapter(name: str, data: dict[str, Any], source: str) -> Adapter:
+    """A parsed TOML table -> Adapter; AdapterError naming `source` and the key."""
+    unknown = sorted(set(data) - KEYS)
+    if unknown:
+        raise AdapterError(f"{source}: key '{unknown[0]}': unknown (known: {', '.join(sorted(KEYS))})")
+    command = data.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) and a for a in command):
+        raise AdapterError(f"{source}: key 'command': must be a non-empty list of non-empty strings")
+    for i, arg in enumerate(command):
+        _check_placeholders(f"{source}: key 'command[{i}]'", arg)
+    tables: dict[str, dict[str, str]] = {}
+    for key in ("env", "config_files"):
+        table = data.get(key, {})
+        if not isinstance(table, dict):
+            raise AdapterError(f"{source}: key '{key}': must be a table")
+        for k, v in table.items():
+            if not isinstance(v, str):
+                raise AdapterError(f"{source}: key '{key}.{k}': must be a string")
+            _check_placeholders(f"{source}: key '{key}.{k}'", v)
+        tables[key] = dict(table)
+    for var in tables["env"]:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+            raise AdapterError(f"{source}: key 'env.{var}': not an environment variable name")
+    for path in tables["config_files"]:
+        if why := relative_path(path):
+            raise AdapterError(f"{source}: key 'config_files.{path}': {why.replace('workspace', 'home')}")
+    return Adapter(name=name, command=tuple(command), env=tables["env"], config_files=tables["config_files"])
+
+
+def load_adapter_file(path: str | Path, name: str | None = None) -> Adapter:
+    """Read an adapter TOML file; its name is the file's stem unless given."""
+    path = Path(path)
+    name = name or path.stem
+    if not ID.fullmatch(name):
+        raise AdapterError(f"{path}: adapter name {name!r} must be 1-128 of A-Z a-z 0-9 . _ - (it names episodes)")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise AdapterError(f"{path}: cannot read the adapter file: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{path}: not TOML: {e}") from None
+    return parse_adapter(name, data, str(path))
+
+
+def resolve(toolchain: str) -> Adapter:
+    """A `--toolchain` value: a built-in name or `custom:FILE.toml`."""
+    if toolchain.startswith(CUSTOM):
+        return load_adapter_file(toolchain.removeprefix(CUSTOM))
+    if toolchain not in builtin_names():
+        raise AdapterError(f"unknown toolchain {toolchain!r}: built-in are {', '.join(builtin_names())}, "
+                           f"or custom:FILE.toml")
+    resource = resources.files(__package__).joinpath("adapters", f"{toolchain}.toml")
+    with resources.as_file(resource) as path:
+        return load_adapter_file(path, toolchain)

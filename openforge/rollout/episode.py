@@ -1,0 +1,266 @@
+"""Run ONE episode from its spec: workspace, agent, verifier, reward post, result.json.
+
+    python -m openforge.rollout.episode SPEC.json
+
+This is the entrypoint a local rollout starts per episode and a Kubernetes Job runs; both give it the
+client token in $OPENFORGE_CLIENT_TOKEN and the reward token in $OPENFORGE_REWARD_TOKEN. The agent gets
+an environment built from scratch (a few harmless variables, its HOME, the adapter's `env`): no reward
+token, no engine key, nothing else of ours. The verifier runs after the agent's whole process group is
+gone, with no token at all; this process posts the reward. `result.json` is written whatever happens.
+Exit code 0 once result.json is written (the outcome is in it), 2 for a spec that cannot be read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from openforge.rollout.adapters import render
+from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
+from openforge.rollout.tasks import relative_path
+
+DUMMY_KEY = "sk-openforge-dummy-0000"  # a proxy without client tokens takes any key
+KEEP_ENV = ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER", "LOGNAME", "SHELL", "PYTHONPATH")
+MAX_ABS_REWARD = 1e6  # the proxy refuses larger rewards
+KILL_GRACE_S = 2.0
+POST_TRIES = 3
+
+
+class EpisodeError(Exception):
+    """Ends the episode early with `status` and `reason`."""
+
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def hide_environment() -> None:
+    """Make this process non-dumpable (Linux): its /proc/<pid>/environ, which holds the reward token, is then
+    unreadable to other processes of the same user, agents included (not to root). exec resets it, so the
+    agent and verifier are ordinary processes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_DUMPABLE = 4
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def tools_dir() -> str:
+    """Where the agent CLIs are installed: $OPENFORGE_TOOLS_DIR, else this checkout's `.tools`."""
+    return os.environ.get("OPENFORGE_TOOLS_DIR") or str(Path(__file__).resolve().parents[2] / ".tools")
+
+
+def base_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
+    """What every child (setup, agent, verifier) starts from: no secrets, its own HOME, no proxy for 127.0.0.1."""
+    env = {k: parent[k] for k in KEEP_ENV if k in parent}
+    env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_CACHE_HOME=str(home / ".cache"),
+               NO_COLOR="1", CI="1", NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    return env
+
+
+def placeholders(spec: EpisodeSpec, api_key: str, parent: Mapping[str, str]) -> dict[str, str]:
+    return {"prompt": spec.task.prompt, "workdir": spec.workdir, "episode": spec.episode, "base_url": spec.base_url,
+            "api_key": api_key, "home": spec.home, "tools": tools_dir(), "python": sys.executable,
+            "path": parent.get("PATH", os.defpath)}
+
+
+def _write_under(root: Path, rel: str, content: str) -> None:
+    if why := relative_path(rel):
+        raise EpisodeError("crashed", f"file {rel!r} {why}")
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content, encoding="utf-8")
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group, give the leader a grace period, SIGKILL whatever is left; reap the leader."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the group is gone already
+        proc.wait()
+        return
+    try:
+        proc.wait(KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_group(argv: list[str], *, cwd: Path, env: dict[str, str], out: Path, name: str,
+              timeout: float) -> tuple[int | None, float]:
+    """Run `argv` in its own process group, stdout/stderr to `out/name.stdout|.stderr`; (exit code or None
+    on timeout, seconds). What the command left running in its group is killed when it exits."""
+    started = time.monotonic()
+    with open(out / f"{name}.stdout", "wb") as stdout, open(out / f"{name}.stderr", "wb") as stderr:
+        try:
+            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                    start_new_session=True)
+        except OSError as e:
+            raise EpisodeError("crashed", f"cannot start {name} ({argv[0]}): {e.strerror or e}") from None
+        try:
+            code: int | None = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:  # on timeout or interruption: the command; else: what it left behind in the background
+            kill_group(proc)
+    return code, time.monotonic() - started
+
+
+def parse_reward(stdout: str, exit_code: int) -> float:
+    """The verifier's reward: its last non-empty stdout line as a finite number, or 1.0 / 0.0 from its exit
+    status when it printed nothing; ValueError saying why for anything else."""
+    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        return 1.0 if exit_code == 0 else 0.0
+    last = lines[-1]
+    try:
+        reward = float(last)
+    except ValueError:
+        raise ValueError(f"last stdout line {last[:80]!r} is not a number") from None
+    if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+        raise ValueError(f"last stdout line {last[:80]!r} is not a finite number within +-{MAX_ABS_REWARD:g}")
+    return reward
+
+
+def post_reward(spec: EpisodeSpec, reward: float, status: str, token: str | None) -> str | None:
+    """POST the reward to the proxy with the reward token; None once accepted, else why not."""
+    body = json.dumps({"reward": reward, "task_id": spec.task.id, "metadata": {
+        "toolchain": spec.adapter.name, "attempt": spec.attempt, "run_id": spec.run_id, "status": status}}).encode()
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    url = f"{spec.proxy_url.rstrip('/')}/openforge/v1/episodes/{spec.episode}/reward"
+    # never through an HTTP(S)_PROXY of the environment: the proxy URL is where rewards go
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    why = "not tried"
+    for attempt in range(POST_TRIES):
+        try:
+            with opener.open(urllib.request.Request(url, body, headers, method="POST"), timeout=30) as answer:
+                if answer.status == 200:
+                    return None
+                why = f"HTTP {answer.status}"
+        except urllib.error.HTTPError as e:  # an answer: retrying does not change it
+            return f"reward post refused: HTTP {e.code} {e.read()[:200].decode(errors='replace')}"
+        except (urllib.error.URLError, OSError) as e:
+            why = f"reward post failed: {getattr(e, 'reason', e)}"
+        time.sleep(0.5 * (attempt + 1))
+    return why
+
+
+def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path) -> None:
+    work, home = Path(spec.workdir), Path(spec.home)
+    work.mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
+    for rel, content in spec.task.files.items():
+        _write_under(work, rel, content)
+    if spec.task.setup:
+        code, _ = run_group(["bash", "-c", spec.task.setup], cwd=work, env=env, out=out, name="setup",
+                            timeout=spec.task.timeout_s)
+        if code != 0:
+            why = "timed out" if code is None else f"exited {code}"
+            raise EpisodeError("crashed", f"setup {why} (see setup.stderr)")
+
+
+def _verify(spec: EpisodeSpec, env: dict[str, str], out: Path) -> tuple[float, float]:
+    """(reward, seconds) from the task's verifier; EpisodeError(verify_failed) when it gave none."""
+    work = Path(spec.workdir)
+    if spec.fresh_verify_copy:
+        copy = work.with_name(work.name + ".verify")
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(work, copy, symlinks=True)
+        work = copy
+    home = out / "verify-home"
+    home.mkdir(exist_ok=True)
+    code, seconds = run_group(["bash", "-c", spec.task.verify], cwd=work, env={**env, "HOME": str(home)}, out=out,
+                              name="verify", timeout=spec.task.timeout_s)
+    if code is None:
+        raise EpisodeError("verify_failed", f"verifier timed out after {spec.task.timeout_s:g} s")
+    try:
+        return parse_reward((out / "verify.stdout").read_text(errors="replace"), code), seconds
+    except ValueError as e:
+        raise EpisodeError("verify_failed", f"verifier (exit {code}): {e}") from None
+
+
+def run_episode(spec: EpisodeSpec, parent_env: Mapping[str, str] | None = None) -> EpisodeResult:
+    """Run the episode, post its reward (or 0.0 for a failure under on_failure=zero), write result.json."""
+    parent = os.environ if parent_env is None else parent_env
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = EpisodeResult(episode=spec.episode, task_id=spec.task.id, toolchain=spec.adapter.name,
+                           attempt=spec.attempt, status="ok", reward=None)
+    env = base_env(Path(spec.home), parent)
+    try:
+        _setup_workspace(spec, env, out)
+        values = placeholders(spec, parent.get(CLIENT_TOKEN_ENV) or DUMMY_KEY, parent)
+        for rel, content in spec.adapter.config_files.items():
+            _write_under(Path(spec.home), rel, render(content, values))
+        agent_env = {**env, **{k: render(v, values) for k, v in spec.adapter.env.items()}}
+        argv = [render(a, values) for a in spec.adapter.command]
+        code, agent_s = run_group(argv, cwd=Path(spec.workdir), env=agent_env, out=out, name="agent",
+                                  timeout=spec.task.timeout_s)
+        result = replace(result, exit_code=code, agent_s=round(agent_s, 3))
+        if code is None:
+            raise EpisodeError("timeout", f"agent killed after {spec.task.timeout_s:g} s")
+        if code != 0:
+            raise EpisodeError("agent_failed", f"agent exited {code} (see agent.stderr)")
+        reward, verify_s = _verify(spec, env, out)
+        result = replace(result, reward=reward, verify_s=round(verify_s, 3))
+    except EpisodeError as e:
+        result = replace(result, status=e.status, reason=e.reason)
+    except KeyboardInterrupt:  # SIGINT, or SIGTERM (main): the runner was stopped; no reward for this one
+        result = replace(result, status="crashed", reason="interrupted")
+        write_result(out, result)
+        return result
+    except Exception as e:  # noqa: BLE001 - an episode always ends with a result saying why
+        result = replace(result, status="crashed", reason=f"{type(e).__name__}: {e}")
+    if result.reward is not None or spec.on_failure == "zero":
+        why = post_reward(spec, result.reward if result.reward is not None else 0.0, result.status,
+                          parent.get(REWARD_TOKEN_ENV))
+        result = replace(result, reward_posted=why is None,
+                         reason="; ".join(r for r in (result.reason, why) if r))
+    write_result(out, result)
+    return result
+
+
+def write_result(out: Path, result: EpisodeResult) -> None:
+    tmp = out / "result.json.tmp"
+    tmp.write_text(json.dumps(asdict(result), indent=1))
+    tmp.replace(out / "result.json")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m openforge.rollout.episode SPEC.json", file=sys.stderr)
+        return 2
+    try:
+        spec = EpisodeSpec.read(Path(args[0]))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        print(f"error: cannot read the episode spec {args[0]}: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)
+    hide_environment()
+    result = run_episode(spec)
+    print(f"{result.episode}: {result.status} reward={result.reward} {result.reason}".rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""The rollout runner: tasks x toolchains x attempts -> episode specs -> a backend runs them -> summary.
+
+The seam between planning and running is the list of `EpisodeSpec`s: `plan` builds them, a backend is a
+function `(specs, concurrency, on_done) -> results` (here `run_local`: one `python -m
+openforge.rollout.episode SPEC.json` process per episode, `concurrency` at a time), and `summarize` reads
+only the `EpisodeResult`s. A Kubernetes backend runs the same entrypoint in a Job per spec.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openforge.rollout.adapters import AdapterError, render, resolve
+from openforge.rollout.episode import tools_dir
+from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
+from openforge.rollout.tasks import TaskFileError, read_tasks
+
+ON_FAILURE = ("zero", "drop")
+BACKENDS = ("local",)
+STATUSES = ("ok", "agent_failed", "timeout", "crashed", "verify_failed")
+EPISODE_SLACK_S = 120.0  # past the agent's and the verifier's timeouts, the runner kills an episode process
+Backend = Callable[[list[EpisodeSpec], int, Callable[[EpisodeResult], None]], list[EpisodeResult]]
+
+
+class RolloutError(ValueError):
+    """Bad input to a rollout (task file, adapter, options): nothing was run."""
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, proxy_url: str, out: Path,
+         run_id: str, fresh_verify_copy: bool = False, on_failure: str = "zero") -> list[EpisodeSpec]:
+    """One spec per (task, toolchain allowed by the task, attempt 1..k), each with its own directories under
+    `out/episodes/<episode>/` (episode = run id, task, toolchain, attempt)."""
+    specs: list[EpisodeSpec] = []
+    for task in tasks:
+        for adapter in adapters:
+            if task.toolchains is not None and adapter.name not in task.toolchains:
+                continue
+            for attempt in range(1, attempts + 1):
+                episode = f"{run_id}-{task.id}-{adapter.name}-{attempt}"
+                ep_dir = (out / "episodes" / episode).resolve()
+                specs.append(EpisodeSpec(
+                    run_id=run_id, episode=episode, task=task, adapter=adapter, attempt=attempt, proxy_url=proxy_url,
+                    out_dir=str(ep_dir), workdir=str(ep_dir / "work"), home=str(ep_dir / "home"),
+                    fresh_verify_copy=fresh_verify_copy, on_failure=on_failure))
+    if len({s.episode for s in specs}) != len(specs):
+        raise RolloutError("two episodes got the same id (task and toolchain names that run together): rename one")
+    return specs
+
+
+def check_installed(adapter: Adapter) -> None:
+    """A built-in CLI that is not installed here fails now, not once per episode."""
+    program = render(adapter.command[0], {"tools": tools_dir(), "python": sys.executable})
+    if "/" in program and "{" not in program and not Path(program).exists():
+        raise RolloutError(f"toolchain {adapter.name}: {program} not found (install the CLIs with "
+                           f"toolchains/install.sh, or set OPENFORGE_TOOLS_DIR)")
+
+
+def _missing_result(spec: EpisodeSpec, why: str) -> EpisodeResult:
+    return EpisodeResult(episode=spec.episode, task_id=spec.task.id, toolchain=spec.adapter.name,
+                         attempt=spec.attempt, status="crashed", reward=None, reason=why)
+
+
+def read_result(spec: EpisodeSpec) -> EpisodeResult | None:
+    try:
+        return EpisodeResult(**json.loads((Path(spec.out_dir) / "result.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def run_local(specs: list[EpisodeSpec], concurrency: int,
+              on_done: Callable[[EpisodeResult], None] = lambda r: None) -> list[EpisodeResult]:
+    """Each spec in its own episode process (own process group), `concurrency` at a time; results in spec order.
+    An episode process that dies without result.json gets a `crashed` result saying so (no reward posted)."""
+    running: set[subprocess.Popen[bytes]] = set()
+    lock = threading.Lock()
+
+    def one(spec: EpisodeSpec) -> EpisodeResult:
+        out = Path(spec.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "spec.json").write_text(spec.to_json())
+        with open(out / "episode.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "openforge.rollout.episode", str(out / "spec.json")],
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        with lock:
+            running.add(proc)
+        try:
+            code = proc.wait(2 * spec.task.timeout_s + EPISODE_SLACK_S)
+        except subprocess.TimeoutExpired:  # SIGTERM first: the episode then kills its agent's group
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                code = proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
+        finally:
+            with lock:
+                running.discard(proc)
+        result = read_result(spec) or _missing_result(spec, f"episode process exited {code} without result.json "
+                                                            f"(see episode.log)")
+        on_done(result)
+        return result
+
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
+    try:
+        results = list(pool.map(one, specs))
+    except BaseException:  # Ctrl-C: stop every episode (each kills its agent's group on SIGTERM)
+        pool.shutdown(wait=False, cancel_futures=True)
+        with lock:
+            for proc in running:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        raise
+    pool.shutdown()
+    return results
+
+
+BACKEND_FUNCTIONS: dict[str, Backend] = {"local": run_local}
+
+
+def passed(result: EpisodeResult, threshold: float) -> bool:
+    """An attempt passes when it ended ok with a verifier reward >= threshold."""
+    return result.status == "ok" and result.reward is not None and result.reward >= threshold
+
+
+def counted_reward(result: EpisodeResult, on_failure: str) -> float | None:
+    """The reward that counts for the mean: the verifier's, 0.0 for a failure under `zero`, none under `drop`."""
+    if result.reward is not None:
+        return result.reward
+    return 0.0 if on_failure == "zero" else None
+
+
+def group_stats(results: Sequence[EpisodeResult], threshold: float, on_failure: str) -> dict[str, Any]:
+    """Episodes, mean reward, pass@k / pass^k over the (task, toolchain) units in `results`, failures, time."""
+    units: dict[tuple[str, str], list[EpisodeResult]] = defaultdict(list)
+    for r in results:
+        units[(r.task_id, r.toolchain)].append(r)
+    rewards = [x for r in results if (x := counted_reward(r, on_failure)) is not None]
+    seconds = [r.agent_s + r.verify_s for r in results]
+    return {
+        "episodes": len(results),
+        "units": len(units),
+        "mean_reward": round(sum(rewards) / len(rewards), 6) if rewards else None,
+        "pass_at_k": round(sum(any(passed(r, threshold) for r in u) for u in units.values()) / len(units), 6)
+        if units else None,
+        "pass_all_k": round(sum(all(passed(r, threshold) for r in u) for u in units.values()) / len(units), 6)
+        if units else None,
+        "failures": dict(sorted(Counter(r.status for r in results if r.status != "ok").items())),
+        "seconds": round(sum(seconds), 3),
+        "mean_seconds": round(sum(seconds) / len(seconds), 3) if seconds else None,
+    }
+
+
+def summarize(results: Sequence[EpisodeResult], *, run_id: str, attempts: int, pass_threshold: float,
+              on_failure: str, wall_s: float) -> dict[str, Any]:
+    """summary.json: per task, per toolchain and overall (docs/rollouts.md, Summary)."""
+    by_task: dict[str, list[EpisodeResult]] = defaultdict(list)
+    by_toolchain: dict[str, list[EpisodeResult]] = defaultdict(list)
+    for r in results:
+        by_task[r.task_id].append(r)
+        by_toolchain[r.toolchain].append(r)
+    return {
+        "run_id": run_id, "attempts": attempts, "pass_threshold": pass_threshold, "on_failure": on_failure,
+        "wall_s": round(wall_s, 3),
+        "tasks": {k: group_stats(v, pass_threshold, on_failure) for k, v in by_task.items()},
+        "toolchains": {k: group_stats(v, pass_threshold, on_failure) for k, v in by_toolchain.items()},
+        "overall": group_stats(results, pass_threshold, on_failure),
+        "rewards_posted": sum(r.reward_posted for r in results),
+    }
+
+
+@dataclass
+class Rollout:
+    """What `run` did: the run id, every episode's result (spec order), the summary written to summary.json."""
+
+    run_id: str
+    out: Path
+    results: list[EpisodeResult] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter], *, proxy: str, out: str | Path,
+            attempts: int = 1, concurrency: int = 1, on_failure: str = "zero", fresh_verify_copy: bool = False,
+            pass_threshold: float = 1.0, backend: str = "local",
+            run_id: str | None = None) -> tuple[str, list[EpisodeSpec]]:
+    """Check every input and plan the episodes: (run id, specs); RolloutError for bad input."""
+    if attempts < 1 or concurrency < 1:
+        raise RolloutError("--attempts and --concurrency must be >= 1")
+    if on_failure not in ON_FAILURE:
+        raise RolloutError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
+    if backend not in BACKEND_FUNCTIONS:
+        raise RolloutError(f"--backend must be one of {', '.join(BACKEND_FUNCTIONS)}, not {backend!r}")
+    if not math.isfinite(pass_threshold):
+        raise RolloutError("--pass-threshold must be a finite number")
+    if not proxy.startswith(("http://", "https://")):
+        raise RolloutError(f"--proxy must be the proxy's http(s) URL, not {proxy!r}")
+    try:
+        task_list = read_tasks(tasks) if isinstance(tasks, (str, Path)) else list(tasks)
+        adapters = [t if isinstance(t, Adapter) else resolve(t) for t in toolchains]
+    except (TaskFileError, AdapterError) as e:
+        raise RolloutError(str(e)) from None
+    if not adapters:
+        raise RolloutError("no toolchain: give at least one --toolchain")
+    names = [a.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise RolloutError(f"toolchain given twice: {', '.join(sorted(n for n in set(names) if names.count(n) > 1))}")
+    if backend == "local":
+        for adapter in adapters:
+            check_installed(adapter)
+    run_id = run_id or new_run_id()
+    specs = plan(task_list, adapters, attempts, proxy_url=proxy.rstrip("/"), out=Path(out), run_id=run_id,
+                 fresh_verify_copy=fresh_verify_copy, on_failure=on_failure)
+    if not specs:
+        raise RolloutError("no episode to run: every task's 'toolchains' excludes the toolchains given")
+    return run_id, specs
+
+
+def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts: int, concurrency: int = 1,
+            on_failure: str = "zero", pass_threshold: float = 1.0, backend: str = "local",
+            on_done: Callable[[EpisodeResult], None] = lambda r: None) -> Rollout:
+    """Run planned episodes on `backend`; every result in `out/results.jsonl`, the summary in `out/summary.json`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results = BACKEND_FUNCTIONS[backend](specs, concurrency, on_done)
+    summary = summarize(results, run_id=run_id, attempts=attempts, pass_threshold=pass_threshold,
+                        on_failure=on_failure, wall_s=time.monotonic() - started)
+    (out / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return Rollout(run_id, out, list(results), summary)
+
+
+def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter], *, proxy: str, out: str | Path,
+        attempts: int = 1, concurrency: int = 1, on_failure: str = "zero", fresh_verify_copy: bool = False,
+        pass_threshold: float = 1.0, backend: str = "local", run_id: str | None = None,
+        on_done: Callable[[EpisodeResult], None] = lambda r: None) -> Rollout:
+    """`openforge rollout` as a function (docs/rollouts.md): `prepare`, then `execute`. Tokens come from
+    $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError for bad input (nothing run)."""
+    run_id, specs = prepare(tasks, toolchains, proxy=proxy, out=out, attempts=attempts, concurrency=concurrency,
+                            on_failure=on_failure, fresh_verify_copy=fresh_verify_copy,
+                            pass_threshold=pass_threshold, backend=backend, run_id=run_id)
+    return execute(run_id, specs, out=out, attempts=attempts, concurrency=concurrency, on_failure=on_failure,
+                   pass_threshold=pass_threshold, backend=backend, on_done=on_done)
