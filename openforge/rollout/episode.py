@@ -27,7 +27,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from openforge.rollout.adapters import render
-from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
+from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 from openforge.rollout.tasks import relative_path
 
 DUMMY_KEY = "sk-openforge-dummy-0000"  # a proxy without client tokens takes any key
@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     hide_environment()
     result = run_episode(spec)
     print(f"{result.episode}: {result.status} reward={result.reward} {result.reason}".rstrip())
+    print(RESULT_MARKER + json.dumps(asdict(result)), flush=True)
     return 0
 
 

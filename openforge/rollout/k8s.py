@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
+from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 
 # Where the pod finds things: the ConfigMap is mounted at SPEC_DIR, the episode's scratch (an emptyDir) at
 # EPISODE_DIR; the spec in the ConfigMap names these paths, not the runner's local ones.
@@ -34,9 +34,6 @@ POD_HOME = f"{EPISODE_DIR}/home"
 POD_OUT = f"{EPISODE_DIR}/out"
 CONTAINER = "episode"
 COMMAND = ["python", "-m", "openforge.rollout.episode", f"{SPEC_DIR}/{SPEC_KEY}"]
-# The entrypoint prints its EpisodeResult on one stdout line behind this marker; the pod log is all the
-# runner gets back from a finished pod (docs/rollouts-k8s.md).
-RESULT_MARKER = "OPENFORGE_RESULT "
 LABEL_PREFIX = "openforge/"
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server refuses a larger ConfigMap
 

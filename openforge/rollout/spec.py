@@ -16,6 +16,9 @@ from typing import Any
 SPEC_VERSION = 1
 CLIENT_TOKEN_ENV = "OPENFORGE_CLIENT_TOKEN"
 REWARD_TOKEN_ENV = "OPENFORGE_REWARD_TOKEN"
+# The entrypoint's last stdout line: this marker and its EpisodeResult as JSON (a Job's pod log is all the
+# runner gets back from a finished pod).
+RESULT_MARKER = "OPENFORGE_RESULT "
 
 
 @dataclass(frozen=True)
