@@ -186,6 +186,10 @@ CLI_BAD = [
     (["--tasks", "{missing}", "--toolchain", "tool-agent"], "cannot read the task file"),
     (["--tasks", "{good}", "--toolchain", "tool-agent", "--attempts", "0"], "--attempts and --concurrency"),
     (["--tasks", "{good}", "--toolchain", "tool-agent", "--on-failure", "ignore"], "'ignore' is not one of"),
+    (["--tasks", "{good}", "--toolchain", "tool-agent", "--backend", "k8s"], "--backend k8s needs --k8s-config"),
+    (["--tasks", "{good}", "--toolchain", "tool-agent", "--dry-run", "{manifests}"], "go with --backend k8s"),
+    (["--tasks", "{good}", "--toolchain", "tool-agent", "--backend", "k8s", "--k8s-config", "{cluster}"],
+     "cluster.toml: unknown key 'imag'"),
 ]
 
 
@@ -193,8 +197,9 @@ CLI_BAD = [
 def test_cli_bad_input_is_one_error_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     paths = {"bad": write_lines(tmp_path / "bad.jsonl", GOOD, {**GOOD, "id": "t2", "timeout_s": -1}),
              "good": write_lines(tmp_path / "good.jsonl", GOOD), "missing": tmp_path / "none.jsonl",
-             "adapter": tmp_path / "my-cli.toml"}
+             "adapter": tmp_path / "my-cli.toml", "cluster": tmp_path / "cluster.toml", "manifests": tmp_path / "m"}
     paths["adapter"].write_text('command = ["x"]\n[env]\nA = "{nope}"\n')
+    paths["cluster"].write_text('imag = "registry.example/cli:1"\n')
     argv = [a.format(**paths) for a in args] + ["--proxy", "http://127.0.0.1:9", "--out", str(tmp_path / "out")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
     done = subprocess.run([sys.executable, "-m", "openforge.cli", "rollout", *argv], cwd=tmp_path, text=True,

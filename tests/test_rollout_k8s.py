@@ -273,3 +273,28 @@ def test_the_job_command_and_env_run_the_episode_entrypoint(tmp_path: Path, star
 def _records(path: Path) -> list[dict[str, Any]]:
     from openforge.addons.flowfile import open_flow_file
     return list(open_flow_file(path).records())
+
+
+def test_cli_dry_run_writes_valid_manifests_and_runs_nothing(tmp_path: Path) -> None:
+    """`openforge rollout --backend k8s --k8s-config FILE --dry-run DIR`: every manifest of the run, valid for
+    the API server, written without a cluster; no episode started, no token needed."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": "List the files.", "verify": "test -f a"}) + "\n"
+                             for i in range(2)))
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('image = "registry.example/openforge-cli:0.1"\nnamespace = "rl"\nproxy_port = 8080\n'
+                       'client_token_secret = "of-client"\nreward_token_secret = "of-reward"\n'
+                       '[proxy_pod_labels]\n"app.kubernetes.io/name" = "openforge-proxy"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")}
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", "rollout", "--tasks", str(tasks), "--toolchain",
+                           "tool-agent", "--attempts", "2", "--proxy", "http://openforge-proxy.rl:8080",
+                           "--out", str(tmp_path / "out"), "--backend", "k8s", "--k8s-config", str(cluster),
+                           "--dry-run", str(tmp_path / "manifests")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert "wrote 5 manifest files for 4 episodes" in done.stdout and "nothing was started" in done.stdout
+    docs = documents(sorted((tmp_path / "manifests").glob("*.yaml")))
+    assert [d["kind"] for d in docs].count("Job") == 4
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    assert not (tmp_path / "out" / "results.jsonl").exists()

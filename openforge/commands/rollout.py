@@ -22,6 +22,7 @@ class Backend(StrEnum):
     """openforge.rollout.runner.BACKENDS."""
 
     local = "local"
+    k8s = "k8s"
 
 
 def register(app: typer.Typer) -> None:
@@ -62,23 +63,43 @@ def rollout(
     fresh_verify_copy: bool = typer.Option(False, "--fresh-verify-copy",
                                            help="Verify in a copy of the workspace taken after the agent exits."),
     pass_threshold: float = typer.Option(1.0, help="An attempt passes when its reward is >= this."),
-    backend: Backend = typer.Option(Backend.local, help="Where episodes run."),
+    backend: Backend = typer.Option(
+        Backend.local, help="Where episodes run: 'local' processes, or 'k8s' Jobs (then --proxy is the proxy's URL "
+                            "as the pods reach it; docs/rollouts-k8s.md)."),
+    k8s_config: Path | None = typer.Option(
+        None, "--k8s-config", help="--backend k8s: TOML file of cluster settings (image, namespace, token Secrets, "
+                                   "proxy labels or CIDR and port, resources; docs/rollouts-k8s.md)."),
+    dry_run: Path | None = typer.Option(
+        None, "--dry-run", help="--backend k8s: write every manifest (ConfigMaps, Jobs, NetworkPolicy) to this "
+                                "directory and run nothing."),
 ) -> None:
     """Run every task with every toolchain `--attempts` times, verify each episode and post its reward through
-    the proxy. Tokens: $OPENFORGE_CLIENT_TOKEN (the agents' key) and $OPENFORGE_REWARD_TOKEN (the verifier's)."""
+    the proxy. Tokens: $OPENFORGE_CLIENT_TOKEN (the agents' key) and $OPENFORGE_REWARD_TOKEN (the verifier's);
+    on Kubernetes they come from the Secrets named in --k8s-config instead."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from openforge.rollout import k8s
     from openforge.rollout.episode import hide_environment
     from openforge.rollout.runner import RolloutError, execute, prepare
     from openforge.rollout.spec import EpisodeResult
 
     options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency, on_failure=on_failure.value,
                                    pass_threshold=pass_threshold, backend=backend.value)
+    if backend is not Backend.k8s and (k8s_config or dry_run):
+        fail("--k8s-config and --dry-run go with --backend k8s")
+    if backend is Backend.k8s and k8s_config is None:
+        fail("--backend k8s needs --k8s-config FILE.toml (docs/rollouts-k8s.md)")
     try:
+        k8s_options = k8s.load_options(k8s_config) if k8s_config else None
         run_id, specs = prepare(tasks, toolchain, proxy=proxy, out=out, fresh_verify_copy=fresh_verify_copy,
                                 **options)
-    except RolloutError as e:
+        if dry_run and k8s_options:
+            written = k8s.write_manifests(specs, k8s_options, dry_run)
+            print(f"wrote {len(written)} manifest files for {len(specs)} episodes to {dry_run} (run {run_id}); "
+                  f"nothing was started")
+            return
+    except (RolloutError, k8s.K8sOptionsError) as e:
         fail(str(e))
     hide_environment()  # this process holds the reward token too
     console = Console(stderr=True)
@@ -92,7 +113,7 @@ def rollout(
             state = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             progress.update(bar, advance=1, description=f"rollout {run_id}: {state}")
 
-        result = execute(run_id, specs, out=out, on_done=done, **options)
+        result = execute(run_id, specs, out=out, on_done=done, k8s_options=k8s_options, **options)
     summary = result.summary
     out_console = Console()
     out_console.print(summary_table("per task", summary["tasks"], attempts))

@@ -14,8 +14,9 @@ import ipaddress
 import json
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,34 @@ class K8sOptions:
     deadline_margin_s: int = 300  # beyond 3 x the task's timeout (setup, agent, verifier): image pull, post
     run_as_user: int = 1000
     allow_dns: bool = True
+
+
+def load_options(path: Path) -> K8sOptions:
+    """The cluster settings of `--k8s-config FILE.toml`: K8sOptions' fields as top-level keys
+    (docs/rollouts-k8s.md), checked as `check_options` does; K8sOptionsError names the file and the key."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise K8sOptionsError(f"cannot read {path}: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise K8sOptionsError(f"{path} is not TOML: {e}") from None
+    known = {f.name: f for f in fields(K8sOptions)}
+    for key, value in data.items():
+        if key not in known:
+            raise K8sOptionsError(f"{path}: unknown key {key!r} (known: {', '.join(known)})")
+        kind = str(known[key].type)
+        ok = (isinstance(value, dict) and all(isinstance(v, str) for v in value.values()) if kind.startswith("dict")
+              else isinstance(value, bool) if kind == "bool"
+              else isinstance(value, int) and not isinstance(value, bool) if kind == "int"
+              else isinstance(value, str))
+        if not ok:
+            raise K8sOptionsError(f"{path}: {key} must be {'a table of strings' if kind.startswith('dict') else kind}")
+    missing = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING and n not in data]
+    if missing:
+        raise K8sOptionsError(f"{path}: missing {', '.join(missing)}")
+    options = K8sOptions(**data)
+    check_options(options)
+    return options
 
 
 # -- names and checks ----------------------------------------------------------------------------------------
@@ -341,12 +370,6 @@ def result_from_log(log: str) -> EpisodeResult | None:
     return None
 
 
-def failed_result(spec: EpisodeSpec, reason: str, *, timeout: bool) -> EpisodeResult:
-    """What a pod that printed no result is recorded as: its Job's reason, no reward."""
-    return EpisodeResult(episode=spec.episode, task_id=spec.task.id, toolchain=spec.adapter.name,
-                         attempt=spec.attempt, status="timeout" if timeout else "crashed", reward=None, reason=reason)
-
-
 # -- a cluster -----------------------------------------------------------------------------------------------
 def _finished(job_obj: Any) -> tuple[bool, str, bool]:
     """(done, reason, deadline exceeded) from a Job's conditions."""
@@ -358,7 +381,8 @@ def _finished(job_obj: Any) -> tuple[bool, str, bool]:
 
 
 def submit(specs: Sequence[EpisodeSpec], options: K8sOptions, *, concurrency: int = 16,
-           context: str | None = None) -> list[EpisodeResult]:
+           context: str | None = None,
+           on_done: Callable[[EpisodeResult], None] = lambda r: None) -> list[EpisodeResult]:
     """Run the episodes as Jobs, at most `concurrency` at once, and return their results in spec order.
     Each episode's pod log goes to `<out_dir>/pod.log` and its result to `<out_dir>/result.json`.
     Everything created is deleted at the end, also on error or Ctrl-C (the Jobs' TTL is the fallback).
@@ -395,9 +419,11 @@ def submit(specs: Sequence[EpisodeSpec], options: K8sOptions, *, concurrency: in
         out = Path(spec.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "pod.log").write_text(log)
-        result = result_from_log(log) or failed_result(spec, reason or "the pod printed no result", timeout=timeout)
+        result = result_from_log(log) or EpisodeResult.unrewarded(
+            spec, "timeout" if timeout else "crashed", reason or "the pod printed no result")
         (out / "result.json").write_text(json.dumps(asdict(result), indent=1))
         results[spec.episode] = result
+        on_done(result)
         delete(name)
 
     def delete(name: str) -> None:

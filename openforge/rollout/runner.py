@@ -22,18 +22,20 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openforge.rollout.adapters import AdapterError, render, resolve
 from openforge.rollout.episode import tools_dir
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
 
+if TYPE_CHECKING:
+    from openforge.rollout.k8s import K8sOptions
+
 ON_FAILURE = ("zero", "drop")
-BACKENDS = ("local",)
+BACKENDS = ("local", "k8s")
 STATUSES = ("ok", "agent_failed", "timeout", "crashed", "verify_failed")
-EPISODE_SLACK_S = 120.0  # past the agent's and the verifier's timeouts, the runner kills an episode process
-Backend = Callable[[list[EpisodeSpec], int, Callable[[EpisodeResult], None]], list[EpisodeResult]]
+EPISODE_SLACK_S = 120.0  # past its setup's, agent's and verifier's timeouts, the runner kills an episode process
 
 
 class RolloutError(ValueError):
@@ -73,11 +75,6 @@ def check_installed(adapter: Adapter) -> None:
                            f"toolchains/install.sh, or set OPENFORGE_TOOLS_DIR)")
 
 
-def _missing_result(spec: EpisodeSpec, why: str) -> EpisodeResult:
-    return EpisodeResult(episode=spec.episode, task_id=spec.task.id, toolchain=spec.adapter.name,
-                         attempt=spec.attempt, status="crashed", reward=None, reason=why)
-
-
 def read_result(spec: EpisodeSpec) -> EpisodeResult | None:
     try:
         return EpisodeResult(**json.loads((Path(spec.out_dir) / "result.json").read_text()))
@@ -103,7 +100,7 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
         with lock:
             running.add(proc)
         try:
-            code = proc.wait(2 * spec.task.timeout_s + EPISODE_SLACK_S)
+            code = proc.wait(3 * spec.task.timeout_s + EPISODE_SLACK_S)
         except subprocess.TimeoutExpired:  # SIGTERM first: the episode then kills its agent's group
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -114,8 +111,8 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
         finally:
             with lock:
                 running.discard(proc)
-        result = read_result(spec) or _missing_result(spec, f"episode process exited {code} without result.json "
-                                                            f"(see episode.log)")
+        result = read_result(spec) or EpisodeResult.unrewarded(
+            spec, "crashed", f"episode process exited {code} without result.json (see episode.log)")
         on_done(result)
         return result
 
@@ -133,9 +130,6 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
         raise
     pool.shutdown()
     return results
-
-
-BACKEND_FUNCTIONS: dict[str, Backend] = {"local": run_local}
 
 
 def passed(result: EpisodeResult, threshold: float) -> bool:
@@ -208,8 +202,8 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
         raise RolloutError("--attempts and --concurrency must be >= 1")
     if on_failure not in ON_FAILURE:
         raise RolloutError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
-    if backend not in BACKEND_FUNCTIONS:
-        raise RolloutError(f"--backend must be one of {', '.join(BACKEND_FUNCTIONS)}, not {backend!r}")
+    if backend not in BACKENDS:
+        raise RolloutError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if not math.isfinite(pass_threshold):
         raise RolloutError("--pass-threshold must be a finite number")
     if not proxy.startswith(("http://", "https://")):
@@ -237,12 +231,21 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
 
 def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts: int, concurrency: int = 1,
             on_failure: str = "zero", pass_threshold: float = 1.0, backend: str = "local",
+            k8s_options: K8sOptions | None = None,
             on_done: Callable[[EpisodeResult], None] = lambda r: None) -> Rollout:
-    """Run planned episodes on `backend`; every result in `out/results.jsonl`, the summary in `out/summary.json`."""
+    """Run planned episodes on `backend` (`k8s`: as Jobs, with `k8s_options`); every result in
+    `out/results.jsonl`, the summary in `out/summary.json`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results = BACKEND_FUNCTIONS[backend](specs, concurrency, on_done)
+    if backend == "k8s":
+        from openforge.rollout import k8s
+
+        if k8s_options is None:
+            raise RolloutError("--backend k8s needs the cluster settings (--k8s-config FILE.toml)")
+        results = k8s.submit(specs, k8s_options, concurrency=concurrency, on_done=on_done)
+    else:
+        results = run_local(specs, concurrency, on_done)
     summary = summarize(results, run_id=run_id, attempts=attempts, pass_threshold=pass_threshold,
                         on_failure=on_failure, wall_s=time.monotonic() - started)
     (out / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
@@ -252,12 +255,12 @@ def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts:
 
 def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter], *, proxy: str, out: str | Path,
         attempts: int = 1, concurrency: int = 1, on_failure: str = "zero", fresh_verify_copy: bool = False,
-        pass_threshold: float = 1.0, backend: str = "local", run_id: str | None = None,
-        on_done: Callable[[EpisodeResult], None] = lambda r: None) -> Rollout:
+        pass_threshold: float = 1.0, backend: str = "local", k8s_options: K8sOptions | None = None,
+        run_id: str | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None) -> Rollout:
     """`openforge rollout` as a function (docs/rollouts.md): `prepare`, then `execute`. Tokens come from
     $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError for bad input (nothing run)."""
     run_id, specs = prepare(tasks, toolchains, proxy=proxy, out=out, attempts=attempts, concurrency=concurrency,
                             on_failure=on_failure, fresh_verify_copy=fresh_verify_copy,
                             pass_threshold=pass_threshold, backend=backend, run_id=run_id)
     return execute(run_id, specs, out=out, attempts=attempts, concurrency=concurrency, on_failure=on_failure,
-                   pass_threshold=pass_threshold, backend=backend, on_done=on_done)
+                   pass_threshold=pass_threshold, backend=backend, k8s_options=k8s_options, on_done=on_done)

@@ -105,3 +105,9 @@ class EpisodeResult:
     agent_s: float = 0.0
     verify_s: float = 0.0
     reward_posted: bool = False
+
+    @classmethod
+    def unrewarded(cls, spec: EpisodeSpec, status: str, reason: str) -> EpisodeResult:
+        """The result of an episode that wrote none (its process or pod died first): no reward posted."""
+        return cls(episode=spec.episode, task_id=spec.task.id, toolchain=spec.adapter.name, attempt=spec.attempt,
+                   status=status, reward=None, reason=reason)
