@@ -208,3 +208,34 @@ def test_cli_prints_the_summary_tables(proxy: Any, tmp_path: Path) -> None:
     assert done.exit_code == 0, done.output
     assert "per task" in done.output and "pass@2" in done.output and "pass^2" in done.output
     assert "2 rewards posted" in done.output
+
+
+@pytest.mark.slow
+def test_example_agent_against_the_embedded_engine(start_proxy: Any, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same rollout against the real embedded engine (llama.cpp serving SmolLM2-135M) instead of a
+    scripted one: every episode ends `ok` with the verifier's reward (right answer 1.0, else 0.0), and each
+    reward and the engine's own token ids reach DuckDB through reconstruct."""
+    from openforge.engine import EmbeddedEngine
+    from openforge.models import load_gguf_tokenizer
+
+    monkeypatch.setenv("OPENFORGE_CLIENT_TOKEN", CLIENT)
+    monkeypatch.setenv("OPENFORGE_REWARD_TOKEN", REWARD)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    tasks = tasks_file(tmp_path / "tasks.jsonl",
+                       *({"id": t, "prompt": q, "verify": f"grep -q {a} answer.txt"}
+                         for t, q, a in (("add", "What is 17 + 25?", 42), ("mul", "What is 12 * 7?", 84))))
+    with EmbeddedEngine(threads=1, log_path=tmp_path / "engine.log") as engine:
+        proxy = start_proxy(engine.url, f"openforge_client_tokens={CLIENT}", f"openforge_reward_tokens={REWARD}")
+        rollout = run(tasks, ["tool-agent"], proxy=proxy.url, out=tmp_path / "out", attempts=2, concurrency=2)
+        assert [(r.status, r.reward_posted) for r in rollout.results] == [("ok", True)] * 4, rollout.results
+        assert {r.reward for r in rollout.results} <= {0.0, 1.0}
+        proxy.stop()
+    summary = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", load_gguf_tokenizer())
+    assert summary.calls == summary.calls_engine_ids + summary.calls_mixed > 0, summary
+    con = duckdb.connect(str(tmp_path / "db.duckdb"), read_only=True)
+    try:
+        rows = con.execute("SELECT episode_id, task_id, reward FROM episodes").fetchall()
+    finally:
+        con.close()
+    assert {e: (t, r) for e, t, r in rows} == {r.episode: (r.task_id, r.reward) for r in rollout.results}
