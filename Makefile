@@ -69,5 +69,6 @@ bench: setup setup-litellm
 	$(BIN)/python bench/addon_hooks.py
 	$(BIN)/python bench/mitmproxy_legs.py
 	$(BIN)/python bench/reconstruct_throughput.py
+	$(BIN)/python bench/rollout_throughput.py
 	@if [ -f .venv-vllm/.setup-done ]; then $(BIN)/python bench/engine_profiles.py; \
 	else echo "skipped bench/engine_profiles.py: real vLLM is not installed (make setup-vllm)"; fi
