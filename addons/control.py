@@ -1,7 +1,8 @@
-"""The proxy's own endpoints, answered here and never forwarded (docs/addon.md, Rewards and Status).
+"""The proxy's own endpoints, answered here and never forwarded (docs/addon.md, Rewards, Policy version, Status).
 
-`POST /openforge/v1/episodes/<episode>/reward` writes a reward record; `GET /openforge/v1/status` is a
-readiness probe. Both answer plain JSON (`{"ok": ...}` / `{"error": ...}`), not an LLM protocol's shape.
+`POST /openforge/v1/episodes/<episode>/reward` writes a reward record; `/openforge/v1/policy` reads and sets
+the policy version stamped on new exchange records; `GET /openforge/v1/status` is a readiness probe. All
+answer plain JSON (`{"ok": ...}` / `{"error": ...}`), not an LLM protocol's shape.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ MAX_REWARD_BODY = 1 << 20
 MAX_METADATA_BYTES = 64 << 10
 MAX_METADATA_DEPTH = 32
 MAX_ID_CHARS = 256  # episode and task ids
+MAX_POLICY_BODY = 4096
 _INT64 = (-(1 << 63), (1 << 64) - 1)  # what msgpack can write
 
 
 def handles(path: str) -> bool:
     """Whether a path (no query string) is one of the proxy's own endpoints."""
-    return path.startswith(wire.REWARD_PREFIX) or path == wire.STATUS_PATH
+    return path.startswith(wire.REWARD_PREFIX) or path in (wire.STATUS_PATH, wire.POLICY_PATH)
 
 
 def reward_path(path: str) -> tuple[str, str]:
@@ -42,17 +44,26 @@ def reward_path(path: str) -> tuple[str, str]:
 
 
 class Control:
-    """Answers the reward and status endpoints from the recorder's and the engine's state."""
+    """Answers the reward, policy and status endpoints from the recorder's and the engine's state.
+    `policy_version`: the version the routing addon stamps on each exchange as its request arrives."""
 
     def __init__(self, recorder: Recorder, engine: Engine) -> None:
         self._recorder = recorder
         self._engine = engine
         self._rewarded: set[str] = set()  # episodes rewarded here under openforge_reward_policy=first
+        self.policy_version = 0
+
+    def configure(self, s: options.Settings, updated: set[str]) -> None:
+        """Take `openforge_policy_version` when it was (re)set, not when another option changed at runtime."""
+        if "openforge_policy_version" in updated:
+            self.policy_version = s.policy_version
 
     def answer(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """Set the answer of a request to one of the endpoints (`handles(path)`)."""
         if path == wire.STATUS_PATH:
             self._status(flow, s)
+        elif path == wire.POLICY_PATH:
+            self._policy(flow, s)
         else:
             self._reward(flow, path, s)
 
@@ -86,13 +97,7 @@ class Control:
             raise Refused(404, "use POST /openforge/v1/episodes/<episode>/reward", "not_found")
         if req.method != "POST":
             raise Refused(405, "use POST", "method_not_allowed")
-        if s.guarded:
-            given = access.presented(req.headers.fields, None)
-            if not (s.reward_tokens and access.matches(given, s.reward_tokens)):
-                if access.matches(given, s.client_tokens):
-                    raise Refused(403, "posting a reward needs a reward token (openforge_reward_tokens); a client "
-                                  "token is not enough", "permission_error")
-                raise Refused(401, "missing or unknown reward token", "invalid_api_key")
+        check_reward_token(req, s, "posting a reward")
         if len(episode) > MAX_ID_CHARS or not episode.isprintable():
             raise Refused(400, f"the episode id must be 1-{MAX_ID_CHARS} printable characters", "invalid_request_error")
         body = json_object(req.content) if len(req.content or b"") <= MAX_REWARD_BODY else None
@@ -119,11 +124,38 @@ class Control:
                 "episode": episode, "reward": float(reward), "task_id": None if task_id is None else str(task_id),
                 "metadata": metadata, "reward_policy": "first" if s.reward_policy == "first" else "last"}
 
+    def _policy(self, flow: http.HTTPFlow, s: options.Settings) -> None:
+        """GET /openforge/v1/policy reads the policy version (any token); PUT or POST `{"version": N}` sets it
+        (a reward token: the agent must not choose which policy its calls count as)."""
+        req = flow.request
+        answer: dict[str, Any]
+        try:
+            if req.method == "GET":
+                if not any_token(req, s):
+                    raise Refused(401, "missing or unknown token (a client or reward token)", "invalid_api_key")
+                status, answer = 200, {"ok": True, "version": self.policy_version}
+            elif req.method in ("PUT", "POST"):
+                check_reward_token(req, s, "setting the policy version")
+                body = json_object(req.content) if len(req.content or b"") <= MAX_POLICY_BODY else None
+                version = options.policy_version(body.get("version")) if body is not None else None
+                if version is None:
+                    raise Refused(400, f'body must be a JSON object with "version": an integer from 0 to '
+                                  f"{options.MAX_POLICY_VERSION - 1}", "invalid_request_error")
+                previous, self.policy_version = self.policy_version, version
+                status, answer = 200, {"ok": True, "version": version, "previous": previous}
+                logger.info(f"OpenForge: policy version {version} (was {previous})")
+            else:
+                raise Refused(405, 'use GET, or PUT (or POST) with {"version": N}', "method_not_allowed")
+        except Refused as e:
+            status, answer = e.status, {"error": e.message}
+            if e.status in (401, 403):
+                logger.warning(f"OpenForge: policy version change refused ({e.status}): {e.message}")
+        flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+
     def _status(self, flow: http.HTTPFlow, s: options.Settings) -> None:
         """GET /openforge/v1/status: a readiness probe, answered here. `write_error`: why the last record
         could not be written (calls are answered 503 meanwhile); it stays ready, so traffic can retry."""
-        if s.guarded and not access.matches(access.presented(flow.request.headers.fields, None),
-                                            s.client_tokens + s.reward_tokens):
+        if not any_token(flow.request, s):
             flow.response = http.Response.make(
                 401, b'{"ok": false, "error": "missing or unknown token (a client or reward token)"}',
                 {"content-type": "application/json"})
@@ -134,9 +166,28 @@ class Control:
         answer = {"ok": ok, "write_error": rec.write_error, "proxy": rec.instance, "started": rec.started,
                   "upstream": s.upstream_display, "engine_profile": self._engine.profile,
                   "flow_file": str(writer.current_path) if writer and writer.current_path else None,
-                  "records": rec.records, "in_flight": len(rec.inflight)}
+                  "records": rec.records, "in_flight": len(rec.inflight), "policy_version": self.policy_version}
         flow.response = http.Response.make(200 if ok else 503, json.dumps(answer).encode(),
                                            {"content-type": "application/json"})
+
+
+def check_reward_token(req: http.Request, s: options.Settings, action: str) -> None:
+    """Refuse, once any token is set, a request that does not present a reward token: 403 for a client token
+    (the agent's), 401 for none or an unknown one."""
+    if not s.guarded:
+        return
+    given = access.presented(req.headers.fields, None)
+    if not (s.reward_tokens and access.matches(given, s.reward_tokens)):
+        if access.matches(given, s.client_tokens):
+            raise Refused(403, f"{action} needs a reward token (openforge_reward_tokens); a client token is not "
+                          "enough", "permission_error")
+        raise Refused(401, "missing or unknown reward token", "invalid_api_key")
+
+
+def any_token(req: http.Request, s: options.Settings) -> bool:
+    """Whether the request may read the proxy's state: no token is set, or it presents a client or reward one."""
+    return not s.guarded or access.matches(access.presented(req.headers.fields, None),
+                                           s.client_tokens + s.reward_tokens)
 
 
 def check_metadata(metadata: Any) -> None:

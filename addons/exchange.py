@@ -22,7 +22,7 @@ class Exchange:
         "id", "seq", "proxy", "t_start", "t_first_byte", "t_end", "episode", "episode_source", "role",
         "toolchain", "protocol", "model", "upstream_model", "engine_profile", "client_request",
         "upstream_request", "injected", "translated", "client_body", "chunks", "client_chunks", "streamed",
-        "rewriter", "translator", "error", "path", "written", "on_end", "held",
+        "rewriter", "translator", "error", "path", "written", "on_end", "held", "policy_version",
     )
 
     def __init__(self, id: str, seq: int, proxy: str, t_start: float, protocol: str, path: str) -> None:
@@ -57,6 +57,7 @@ class Exchange:
         # and returns None, or (not recorded) the bytes the client gets instead of what is held.
         self.on_end: Callable[[], bytes | None] | None = None
         self.held: list[bytes] = []  # the client's terminal event (and anything after it), until recorded
+        self.policy_version = 0  # the proxy's policy version when the request arrived
 
     # -- streaming -----------------------------------------------------------------------------------
     def on_chunk(self, data: bytes) -> bytes | list[bytes]:
@@ -126,6 +127,7 @@ class Exchange:
             "translated": self.translated,
             "has_token_ids": has_token_ids,
             "error": self.error,
+            "policy_version": self.policy_version,
         }
 
 

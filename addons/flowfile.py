@@ -60,9 +60,7 @@ class HttpResponse(TypedDict):
 Translation = TypedDict("Translation", {"from": str, "to": str, "dropped": list[str]})
 
 
-class ExchangeRecord(TypedDict):
-    """One LLM call (or passthrough call) as the proxy saw it."""
-
+class _ExchangeFields(TypedDict):
     type: Literal["exchange"]
     id: str
     proxy: str
@@ -87,6 +85,13 @@ class ExchangeRecord(TypedDict):
     translated: Translation | None
     has_token_ids: bool
     error: str | None
+
+
+class ExchangeRecord(_ExchangeFields, total=False):
+    """One LLM call (or passthrough call) as the proxy saw it; `policy_version` is absent in files written
+    before it existed."""
+
+    policy_version: int
 
 
 class _RewardFields(TypedDict):

@@ -22,6 +22,7 @@ from . import access
 PROFILES = ("auto", "vllm", "sglang", "llamacpp", "generic")
 REWARD_POLICIES = ("last", "first")
 TRANSLATE = ("never", "auto", "always")
+MAX_POLICY_VERSION = 1 << 63  # versions are int64 in records and in DuckDB
 DEFAULT_VENDOR_HOSTS = (
     "api.openai.com",
     "api.anthropic.com",
@@ -79,11 +80,13 @@ SPECS = (
                "None: no access check. Default: $OPENFORGE_CLIENT_TOKENS; never logged.", secret=True),
     OptionSpec("openforge_client_tokens_file", "", "File of client tokens, one per line (a mounted Secret)."),
     OptionSpec("openforge_reward_tokens", "", "Comma-separated tokens a verifier must present to post rewards "
-               "(required for rewards once any token is set; a client token is not enough). "
+               "and set the policy version (required once any token is set; a client token is not enough). "
                "Default: $OPENFORGE_REWARD_TOKENS; never logged.", secret=True),
     OptionSpec("openforge_reward_tokens_file", "", "File of reward tokens, one per line (a mounted Secret)."),
     OptionSpec("openforge_reward_policy", "last", "Which reward of an episode counts: last (a later post "
                "replaces it) or first (a later post is refused with 409)."),
+    OptionSpec("openforge_policy_version", "0", "The policy version the proxy starts with (a non-negative integer), "
+               "stamped on every exchange record; the control API (PUT /openforge/v1/policy) changes it."),
     OptionSpec("openforge_allow_paths", "", "Comma-separated engine paths (fnmatch patterns, e.g. /health,"
                "/tokenize) forwarded besides the LLM endpoints; every other path is refused with 403."),
 )
@@ -146,6 +149,7 @@ class Settings:
     reward_tokens: tuple[bytes, ...] = ()
     reward_policy: str = "last"
     allow_paths: tuple[str, ...] = ()
+    policy_version: int = 0
 
     @property
     def guarded(self) -> bool:
@@ -230,6 +234,7 @@ def parse(values: dict[str, str]) -> Settings:
         reward_tokens=reward_tokens,
         reward_policy=policy,
         allow_paths=allow,
+        policy_version=_policy_version(get("openforge_policy_version")),
     )
 
 
@@ -264,6 +269,21 @@ def parse_models(value: str) -> dict[str, Route]:
             raise BadOption(f"{source}: {role}.sampling must be a table of request fields, e.g. temperature")
         routes[str(role)] = Route(dict(models), dict(sampling))
     return routes
+
+
+def policy_version(value: object) -> int | None:
+    """A policy version: an integer in [0, 2^63) (a record's int64); None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_POLICY_VERSION:
+        return None
+    return value
+
+
+def _policy_version(value: str) -> int:
+    version = policy_version(int(value)) if value.isascii() and value.isdigit() else None
+    if version is None:
+        raise BadOption(f"openforge_policy_version must be an integer from 0 to {MAX_POLICY_VERSION - 1}, "
+                        f"got {value!r}")
+    return version
 
 
 def _upstream_key(key: str) -> str:

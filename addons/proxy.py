@@ -9,7 +9,7 @@ error; it never goes upstream with the client's credentials or unrecorded.
 
 This is the routing addon: mitmproxy's hooks, in the order a call takes them. Each other concern is a
 plain part it calls: `options` (declared and parsed once), `routes` (pure route planning), `engine`
-(reachability probe, profile), `control` (reward and status endpoints), `recorder` (flow file, in-flight
+(reachability probe, profile), `control` (reward, policy and status endpoints), `recorder` (flow file, in-flight
 exchanges, shutdown), `calllog` (the per-call line), `errors` and `bodies` (what the client gets).
 """
 
@@ -83,6 +83,7 @@ class OpenForge:
             # Eager connections reach the client's original host before we can reroute (or answer a 502).
             ctx.options.connection_strategy = "lazy"
         self._apply(new)
+        self.control.configure(new, updated)
 
     def _apply(self, new: options.Settings) -> None:
         self.recorder.configure(new)
@@ -117,8 +118,9 @@ class OpenForge:
         exposed = sorted(h or "every interface" for h in hosts if not access.is_loopback(h))
         if exposed:
             logger.warning(f"OpenForge: listening on {', '.join(exposed)} without openforge_client_tokens: anyone "
-                           f"who reaches the port can spend the upstream key, post rewards and read the status; "
-                           f"set client and reward tokens or use --listen-host 127.0.0.1 (docs/addon.md, Security)")
+                           f"who reaches the port can spend the upstream key, post rewards, set the policy version "
+                           f"and read the status; set client and reward tokens or use --listen-host 127.0.0.1 "
+                           f"(docs/addon.md, Security)")
 
     def _check_route(self, s: options.Settings, role: str) -> None:
         """Warn once per role whose calls match no route while a routing table is set: they keep their model
@@ -309,6 +311,7 @@ class OpenForge:
         record_id, seq = self.recorder.next_id()
         ex = Exchange(record_id, seq, self.recorder.instance, req.timestamp_start, protocol, path)
         ex.role = self.settings.default_role if self.settings else ""
+        ex.policy_version = self.control.policy_version
         ex.client_request = RequestParts(req.method, req.pretty_url, req.headers.fields, req.raw_content)
         return ex
 

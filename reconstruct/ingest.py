@@ -43,7 +43,7 @@ DEFAULT_ROLE = "agent"  # the proxy's default role; a call recorded without one 
 CALL_COLUMNS = [
     "call_id", "file_id", "episode_id", "run_id", "role", "toolchain", "protocol", "model", "engine_model",
     "streamed", "status", "t_start", "t_first_byte", "t_end", "prompt_tokens", "completion_tokens",
-    "finish_reason", "token_source", "prompt_check",
+    "finish_reason", "token_source", "prompt_check", "policy_version",
 ]
 TOKEN_COLUMNS = [
     "call_id", "episode_id", "linked_by", "t_start", "seq", "token_source", "prompt_ids", "completion_ids",
@@ -324,6 +324,7 @@ class Ingest:
             status=call.status, t_start=rec.get("t_start"), t_first_byte=rec.get("t_first_byte"),
             t_end=rec.get("t_end"), prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens,
             finish_reason=call.finish_reason, token_source=source, prompt_check=check,
+            policy_version=rec.get("policy_version"),
         )
         bufs["call_tokens"].add(
             call_id=call.call_id, episode_id=episode, linked_by=linked_by, t_start=rec.get("t_start"),

@@ -35,7 +35,7 @@ READ_CELLS = 1_000_000  # whole episodes are read until their token ids reach th
 SAMPLE_COLUMNS = [
     "sample_id", "episode_id", "run_id", "task_id", "tokenizer", "vocab_size", "token_source", "input_ids",
     "loss_mask", "behaviour_logprobs", "n_tokens", "n_trainable", "n_calls", "reward", "advantage", "weight",
-    "created_at", "role", "toolchain",
+    "created_at", "role", "toolchain", "policy_version",
 ]
 EPISODE_COLUMNS = [
     "episode_id", "run_id", "task_id", "toolchain", "n_calls", "n_samples", "reward", "weight",
@@ -46,7 +46,7 @@ _TREE_COLUMNS = (
     "call_id", "episode_id", "token_source", "prompt_ids", "completion_ids", "completion_logprobs",
     "conv_hashes", "conv_end", "strict_hashes", "strict_end", "prefix_call_id", "prefix_len",
 )
-_CALL_COLUMNS = ("role", "toolchain", "prompt_check")  # from `calls`, beside each call's tokens
+_CALL_COLUMNS = ("role", "toolchain", "prompt_check", "policy_version")  # from `calls`, beside each call's tokens
 _LIST_COLUMNS = ("prompt_ids", "completion_ids", "completion_logprobs")  # read as numpy views
 
 Row = dict[str, Any]  # one call of an episode: _TREE_COLUMNS + _CALL_COLUMNS
@@ -215,6 +215,7 @@ class Rebuild:
                 input_ids=s.input_ids, loss_mask=s.loss_mask, behaviour_logprobs=s.logprobs,
                 n_tokens=len(s.input_ids), n_trainable=n_trainable, n_calls=len(s.path), reward=episode.reward,
                 advantage=None, weight=weight, created_at=self.now, role=role, toolchain=calls[s.path[-1]].toolchain,
+                policy_version=sample_policy_version(calls, s),
             )
             for i in s.owned:
                 self.owners.add(call_id=calls[i].call_id, sample_id=sample_id)
@@ -234,6 +235,7 @@ class Rebuild:
             call_id=r["call_id"], prompt=r["prompt_ids"], completion=r["completion_ids"],
             logprobs=r["completion_logprobs"], token_source=r["token_source"], conv_prefixes=r["conv_hashes"],
             conv_end=r["conv_end"], trainable=self.build.trainable(role, r["prompt_check"]), toolchain=r["toolchain"],
+            policy_version=r["policy_version"],
         )
 
     def _drift(self, prev: Row, cur: Row) -> str:
@@ -281,6 +283,15 @@ class Rebuild:
         con.execute("""
             UPDATE calls SET sample_id = NULL WHERE episode_id IN (SELECT episode_id FROM affected)
               AND call_id NOT IN (SELECT call_id FROM _owners)""")
+
+
+def sample_policy_version(calls: list[TreeCall], s: SampleRow) -> int | None:
+    """The oldest policy that produced a token this sample trains on (of the chain's calls when it trains on
+    none), None when one of them recorded no version: a `policy_version >= n` selection then holds no token
+    of an older policy, nor one of an unknown policy."""
+    which = [i for i in s.owned if calls[i].trainable] or s.path
+    versions = [v for i in which if (v := calls[i].policy_version) is not None]
+    return min(versions) if len(versions) == len(which) else None
 
 
 def _episode_rows(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, list[Row] | ValueError]]:

@@ -1,4 +1,4 @@
--- OpenForge DuckDB schema, version 4.
+-- OpenForge DuckDB schema, version 5.
 -- The contract between reconstruct/ (writer) and trainer/ (reader); documented in docs/schema.md.
 -- Every statement is idempotent so opening an existing database re-applies nothing.
 
@@ -6,7 +6,7 @@ CREATE TABLE IF NOT EXISTS meta (
     key   VARCHAR PRIMARY KEY,
     value VARCHAR NOT NULL
 );
-INSERT INTO meta VALUES ('schema_version', '4') ON CONFLICT DO NOTHING;
+INSERT INTO meta VALUES ('schema_version', '5') ON CONFLICT DO NOTHING;
 
 -- One row per flow file already ingested; re-running reconstruct skips what is here.
 CREATE TABLE IF NOT EXISTS ingested_files (
@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS calls (
     sample_id         VARCHAR,             -- the sample whose trainable tokens hold this completion
     -- engine (prompt ids from the engine) | match / mismatch (rendered prompt length vs the engine's
     -- usage.prompt_tokens; mismatch = template drift, not trainable by default) | unchecked (no usage)
-    prompt_check      VARCHAR
+    prompt_check      VARCHAR,
+    policy_version    BIGINT               -- the proxy's policy version when the call arrived; NULL: not recorded
 );
 
 CREATE TABLE IF NOT EXISTS episodes (
@@ -80,7 +81,9 @@ CREATE TABLE IF NOT EXISTS samples (
     weight             DOUBLE NOT NULL,
     created_at         TIMESTAMP NOT NULL,
     role               VARCHAR,            -- the role of every call on this chain (one tree per role)
-    toolchain          VARCHAR             -- the toolchain of the chain's last call
+    toolchain          VARCHAR,            -- the toolchain of the chain's last call
+    policy_version     BIGINT              -- the lowest policy version of the calls trainable here (of the chain's
+                                           -- calls when none is); NULL when one of them recorded none
 );
 
 -- Records that could not become calls, with the reason (never silently dropped).

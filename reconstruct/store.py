@@ -12,7 +12,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     import duckdb
 
-SCHEMA_VERSION = "4"
+SCHEMA_VERSION = "5"
 # statements that bring a database of the previous version to the next one
 MIGRATIONS = {
     # role-aware samples: every episode is rebuilt by the next run (samples of other roles stop being trainable)
@@ -31,6 +31,13 @@ MIGRATIONS = {
         "DROP TABLE IF EXISTS call_images",
         "DROP TABLE IF EXISTS images",
         "UPDATE meta SET value = '4' WHERE key = 'schema_version'",
+    ],
+    # the policy version of each call and sample: NULL for the rows already stored (their records are not
+    # read again); the next run's calls, and the samples it rebuilds, carry it
+    "4": [
+        "ALTER TABLE calls ADD COLUMN IF NOT EXISTS policy_version BIGINT",
+        "ALTER TABLE samples ADD COLUMN IF NOT EXISTS policy_version BIGINT",
+        "UPDATE meta SET value = '5' WHERE key = 'schema_version'",
     ],
 }
 # A database whose rows a migration would lose: (query counting them, what they are) per version.
@@ -68,6 +75,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "t_first_byte": pa.float64(),
     "t_end": pa.float64(),
     "seq": pa.int64(),
+    "policy_version": pa.int64(),
     "record_id": pa.string(),
     "detail": pa.string(),
     "role": pa.string(),

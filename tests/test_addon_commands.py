@@ -70,7 +70,8 @@ def test_flows_show_table_and_json(tmp_path: Path) -> None:
     w.write({"type": "exchange", "id": "a", "episode": "ep", "role": "agent", "toolchain": "codex",
              "protocol": "responses", "translated": {"from": "responses", "to": "chat", "dropped": []},
              "client_request": {"url": "http://127.0.0.1:8080/v1/responses"}, "complete": False,
-             "response": {"status": 200, "streamed": True}, "has_token_ids": True, "error": "proxy shut down"})
+             "response": {"status": 200, "streamed": True}, "has_token_ids": True, "error": "proxy shut down",
+             "policy_version": 4})
     w.write({"type": "reward", "id": "b", "episode": "ep", "reward": 1.0, "task_id": "t"})
     w.close()
     (path,) = list(tmp_path.iterdir())
@@ -83,7 +84,7 @@ def test_flows_show_table_and_json(tmp_path: Path) -> None:
     assert rows[0] == {"file": str(path), "type": "exchange", "id": "a", "episode": "ep", "role": "agent",
                        "toolchain": "codex", "protocol": "responses", "path": "/v1/responses", "model": None,
                        "status": 200, "complete": False, "streamed": True, "has_token_ids": True,
-                       "translated": True, "error": "proxy shut down"}
+                       "translated": True, "error": "proxy shut down", "policy_version": 4}
     assert rows[1]["type"] == "reward" and rows[1]["reward"] == 1.0
     assert "cut short" in out.stderr
     table = runner.invoke(_flows_app(), ["flows", "show", str(tmp_path)], env={"COLUMNS": "200"})

@@ -187,9 +187,12 @@ def test_run_dying_mid_file_resumes_after_the_last_committed_batch(tmp_path, ret
 def old_database(db: Path, version: str) -> None:
     """Turn a database this reconstruct wrote into one of an older schema version (its columns and tables)."""
     con = duckdb.connect(str(db))
-    con.execute("ALTER TABLE call_tokens ADD COLUMN tools JSON")  # in 3 and before, never written since 1
-    con.execute("CREATE TABLE images (sha256 VARCHAR PRIMARY KEY, mime VARCHAR, data BLOB NOT NULL)")
-    con.execute("CREATE TABLE call_images (call_id VARCHAR NOT NULL, sha256 VARCHAR NOT NULL)")
+    for table in ("calls", "samples"):  # added in 5
+        con.execute(f"ALTER TABLE {table} DROP COLUMN policy_version")
+    if version in ("1", "2", "3"):
+        con.execute("ALTER TABLE call_tokens ADD COLUMN tools JSON")  # never written since 1
+        con.execute("CREATE TABLE images (sha256 VARCHAR PRIMARY KEY, mime VARCHAR, data BLOB NOT NULL)")
+        con.execute("CREATE TABLE call_images (call_id VARCHAR NOT NULL, sha256 VARCHAR NOT NULL)")
     if version in ("1", "2"):
         for table, column in (("calls", "engine_model"), ("calls", "prompt_check"), ("samples", "role"),
                               ("samples", "toolchain")):  # added in 3
@@ -201,13 +204,15 @@ def old_database(db: Path, version: str) -> None:
     con.close()
 
 
-@pytest.mark.parametrize("version", ["2", "3"])
-def test_schema_version_2_and_3_databases_are_migrated(tmp_path, retok, version):
-    """An older database takes new calls of its episodes and gives the samples a fresh one gives."""
+@pytest.mark.parametrize("version", ["2", "3", "4"])
+def test_older_schema_databases_are_migrated(tmp_path, retok, version):
+    """An older database takes new calls of its episodes and gives the samples a fresh one gives; its calls
+    read before have no policy version (their flow files predate it here, as they would there)."""
     f = FlowFactory(tmp_path / "first", seed=5)
     f.tool_loop("ep", turns=2, engine_ids=True)
     f.close()
     g = FlowFactory(tmp_path / "second", seed=6)
+    g.policy_version = 2
     g.tool_loop("ep", turns=2, engine_ids=True)  # the same episode: old and new calls meet
     g.close()
     old = tmp_path / "old.duckdb"
@@ -221,6 +226,7 @@ def test_schema_version_2_and_3_databases_are_migrated(tmp_path, retok, version)
     assert db_rows(old, tables) == db_rows(tmp_path / "fresh.duckdb", tables)
     a, b = (json.dumps(db_rows(tmp_path / n, SAMPLES), default=str) for n in ("old.duckdb", "fresh.duckdb"))
     assert a == b and len(json.loads(a)) >= 2
+    assert {r["policy_version"] for r in json.loads(a)} == {None, 2}
 
 
 def test_database_too_old_to_migrate_is_refused_with_a_rebuild_message(tmp_path, retok):
@@ -244,6 +250,7 @@ def test_every_column_is_written(tmp_path, retok):
     """No column or table of the schema is left NULL by every run: calls, a reward and a damaged record fill
     them all, but `call_tokens.messages`, which holds JSON null only for a call that sent a prompt text."""
     f = FlowFactory(tmp_path / "flows", seed=4)
+    f.policy_version = 0
     f.tool_loop("ep", turns=2, engine_ids=True)
     f.write(f.reward("ep", 1.0, task_id="t"))
     f.write({"type": "mystery", "id": "x"})  # type: ignore[typeddict-item] - a damaged record, for `skipped`
@@ -266,3 +273,33 @@ def test_flow_file_of_another_version_is_a_corrupt_file_not_an_unreadable_one(tm
     assert dict(s.skipped) == {"corrupt_file": 1}
     [row] = db_rows(tmp_path / "db.duckdb", "SELECT reason, detail FROM skipped")
     assert "flow format version 99" in row["detail"]
+
+
+def test_policy_versions_are_stored_on_calls_and_samples(tmp_path, retok, monkeypatch):
+    """A call keeps its record's version (NULL for a record written before the field existed); a sample has
+    the lowest version of the calls trainable in it (NULL if one has none), so `policy_version >= n` keeps no
+    older token."""
+    f = FlowFactory(tmp_path / "flows", seed=7)
+    f.tool_loop("old", turns=1)  # no policy_version field: an old proxy's records
+    f.policy_version = 3
+    f.tool_loop("new", turns=1)
+    versions, write = iter([4, 3, 5, None, 6]), f.write  # chains whose weights changed between their calls
+
+    def stamped(record):
+        record.pop("policy_version")
+        if (version := next(versions)) is not None:
+            record["policy_version"] = version
+        return write(record)
+
+    monkeypatch.setattr(f, "write", stamped)
+    f.tool_loop("mixed", turns=2)
+    f.tool_loop("partly", turns=1)
+    f.close()
+    db = tmp_path / "db.duckdb"
+    reconstruct([tmp_path / "flows"], db, retok, missing_reward="keep")
+    calls = db_rows(db, "SELECT episode_id e, list(policy_version ORDER BY t_start) v FROM calls GROUP BY 1 ORDER BY 1")
+    assert calls == [{"e": "mixed", "v": [4, 3, 5]}, {"e": "new", "v": [3, 3]}, {"e": "old", "v": [None, None]},
+                     {"e": "partly", "v": [None, 6]}]
+    samples = db_rows(db, "SELECT episode_id e, n_calls, policy_version v FROM samples ORDER BY 1")
+    assert samples == [{"e": "mixed", "n_calls": 3, "v": 3}, {"e": "new", "n_calls": 2, "v": 3},
+                       {"e": "old", "n_calls": 2, "v": None}, {"e": "partly", "n_calls": 2, "v": None}]

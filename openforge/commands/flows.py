@@ -46,6 +46,7 @@ def summary(record: dict[str, Any]) -> dict[str, Any]:
         "has_token_ids": record.get("has_token_ids"),
         "translated": bool(record.get("translated")),
         "error": record.get("error"),
+        "policy_version": record.get("policy_version"),
     }
 
 

@@ -63,6 +63,7 @@ class FlowFactory:
         self.rng = random.Random(seed)  # content: the same seed gives the same conversations
         self.wire_rng = random.Random(seed + 1)  # byte splits: depend on the encoding, kept apart from content
         self.seq = 0
+        self.policy_version: int | None = None  # stamped on exchange records; None: left out, as before it existed
         self.t = 1_700_000_000.0
         self.completions: list[list[int]] = []  # engine completion ids of every exchange (and choice) written
         self.logprobs: list[list[float]] = []  # and their logprobs
@@ -290,7 +291,7 @@ class FlowFactory:
         self.t += 1.0
         req = {"method": "POST", "url": f"http://127.0.0.1:8000{path}",
                "headers": [["content-type", "application/json"]]}
-        return {
+        record: ExchangeRecord = {
             "type": "exchange", "id": uuid.uuid4().hex, "proxy": self.writer.instance, "seq": self.seq,
             "t_start": self.t, "t_first_byte": self.t + 0.1, "t_end": self.t + 0.5, "complete": True,
             "episode": episode, "episode_source": "header" if episode else None, "role": role,
@@ -301,6 +302,9 @@ class FlowFactory:
             "injected": injected if injected is not None else ["return_token_ids", "logprobs"] if engine_ids else [],
             "translated": None, "has_token_ids": engine_ids, "error": None,
         }
+        if self.policy_version is not None:
+            record["policy_version"] = self.policy_version
+        return record
 
     def reward(self, episode: str, reward: float, task_id: str | None = None) -> RewardRecord:
         self.seq += 1
