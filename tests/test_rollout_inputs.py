@@ -17,6 +17,7 @@ from openforge.rollout.runner import RolloutError, plan, prepare, summarize
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
 from tests.conftest import ROOT
+from toolchains import run as toolchains
 
 GOOD = {"id": "t1", "prompt": "fix it", "verify": "pytest -q >/dev/null"}
 
@@ -91,6 +92,20 @@ def test_builtin_adapters_are_the_same_toml_form_and_follow_docs_toolchains() ->
         adapter = adapters.resolve(name)
         assert "{api_key}" in adapter.env.values() and not any("REWARD" in k for k in adapter.env)
 
+
+
+def test_toolchains_run_renders_the_builtin_adapters(tmp_path: Path) -> None:
+    """toolchains/run.py (CLI tests, trace capture) runs the CLIs from the same adapters; without a base URL
+    (forward mode) the settings naming it are left out: Codex gets its config dir but no provider file."""
+    reverse = toolchains.invocation("codex", "ls {home}", tmp_path / "r", base_url="http://127.0.0.1:1/e/e", model="m2")
+    assert reverse.argv[-3:] == ["-m", "m2", "ls {home}"] and reverse.env["NO_PROXY"] == "127.0.0.1,localhost"
+    assert 'base_url = "http://127.0.0.1:1/e/e/v1"' in (tmp_path / "r/.codex/config.toml").read_text()
+    ca = tmp_path / "ca.pem"
+    forward = toolchains.invocation("codex", "ls", tmp_path / "f", proxy="http://127.0.0.1:2", ca_cert=ca)
+    assert forward.env["HTTPS_PROXY"] == "http://127.0.0.1:2" and forward.env["CODEX_CA_CERTIFICATE"] == str(ca)
+    assert (tmp_path / "f/.codex").is_dir() and not (tmp_path / "f/.codex/config.toml").exists()
+    claude = toolchains.invocation("claude-code", "ls", tmp_path / "c", proxy="http://127.0.0.1:2", ca_cert=ca)
+    assert "ANTHROPIC_BASE_URL" not in claude.env and claude.env["ANTHROPIC_API_KEY"] == toolchains.DUMMY_KEY
 
 BAD_ADAPTERS = [
     ('command = "claude -p {prompt}"\n', "key 'command': must be a non-empty list"),

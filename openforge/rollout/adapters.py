@@ -5,13 +5,18 @@ The built-in ones (`openforge/rollout/adapters/*.toml`) are written in the same 
 
 Placeholders, in `command`, `env` values and `config_files` contents: `{prompt}`, `{workdir}`, `{episode}`,
 `{base_url}`, `{api_key}` (the spec's five), plus `{home}` (the episode's HOME), `{tools}` (where the CLIs
-are installed: $OPENFORGE_TOOLS_DIR, else `.tools` of this checkout), `{python}` (the episode's Python) and
-`{path}` (the inherited PATH). They are filled in by the episode process, so `{tools}` and `{python}` are
-those of the machine (or pod) that runs it. Other braces (JSON in a config file) are left as they are.
+are installed: $OPENFORGE_TOOLS_DIR, else `.tools` of this checkout), `{python}` (the episode's Python),
+`{path}` (the inherited PATH) and `{model}` (the model name the CLI sends, MODEL). They are filled in by the
+episode process, so `{tools}` and `{python}` are those of the machine (or pod) that runs it. Other braces
+(JSON in a config file) are left as they are.
+
+These files are also how `toolchains/run.py` runs the CLIs outside a rollout (tests, trace capture): both
+render them with `render_adapter`.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -22,7 +27,8 @@ from typing import Any
 from openforge.rollout.spec import Adapter
 from openforge.rollout.tasks import ID, relative_path
 
-PLACEHOLDERS = ("prompt", "workdir", "episode", "base_url", "api_key", "home", "tools", "python", "path")
+PLACEHOLDERS = ("prompt", "workdir", "episode", "base_url", "api_key", "home", "tools", "python", "path", "model")
+MODEL = "local-model"  # any engine of ours takes it; the proxy's route options map it to a served model
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 CUSTOM = "custom:"
 KEYS = {"command", "env", "config_files"}
@@ -37,9 +43,26 @@ def builtin_names() -> list[str]:
                   if p.name.endswith(".toml"))
 
 
+def tools_dir() -> str:
+    """Where the agent CLIs are installed: $OPENFORGE_TOOLS_DIR, else this checkout's `.tools`."""
+    return os.environ.get("OPENFORGE_TOOLS_DIR") or str(Path(__file__).resolve().parents[2] / ".tools")
+
+
 def render(template: str, values: Mapping[str, str]) -> str:
     """`template` with each known `{name}` replaced; anything else (JSON braces) kept."""
     return _PLACEHOLDER.sub(lambda m: values[m[1]] if m[1] in PLACEHOLDERS else m[0], template)
+
+
+def render_adapter(adapter: Adapter, values: Mapping[str, str], home: Path) -> tuple[list[str], dict[str, str]]:
+    """Write the adapter's config files under `home` and return its argv and its own env, all rendered with
+    `values`; AdapterError for a config file path that leaves `home`."""
+    for rel, content in adapter.config_files.items():
+        if why := relative_path(rel):
+            raise AdapterError(f"config file {rel!r} {why.replace('workspace', 'home')}")
+        path = home / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(content, values), encoding="utf-8")
+    return [render(a, values) for a in adapter.command], {k: render(v, values) for k, v in adapter.env.items()}
 
 
 def _check_placeholders(where: str, text: str) -> None:

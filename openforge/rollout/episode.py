@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from openforge.rollout.adapters import render
+from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 from openforge.rollout.tasks import relative_path
 
@@ -56,11 +56,6 @@ def hide_environment() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
-def tools_dir() -> str:
-    """Where the agent CLIs are installed: $OPENFORGE_TOOLS_DIR, else this checkout's `.tools`."""
-    return os.environ.get("OPENFORGE_TOOLS_DIR") or str(Path(__file__).resolve().parents[2] / ".tools")
-
-
 def base_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
     """What every child (setup, agent, verifier) starts from: no secrets, its own HOME, no proxy for 127.0.0.1."""
     env = {k: parent[k] for k in KEEP_ENV if k in parent}
@@ -72,7 +67,7 @@ def base_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
 def placeholders(spec: EpisodeSpec, api_key: str, parent: Mapping[str, str]) -> dict[str, str]:
     return {"prompt": spec.task.prompt, "workdir": spec.workdir, "episode": spec.episode, "base_url": spec.base_url,
             "api_key": api_key, "home": spec.home, "tools": tools_dir(), "python": sys.executable,
-            "path": parent.get("PATH", os.defpath)}
+            "path": parent.get("PATH", os.defpath), "model": MODEL}
 
 
 def _write_under(root: Path, rel: str, content: str) -> None:
@@ -205,11 +200,8 @@ def run_episode(spec: EpisodeSpec, parent_env: Mapping[str, str] | None = None) 
     try:
         _setup_workspace(spec, env, out)
         values = placeholders(spec, parent.get(CLIENT_TOKEN_ENV) or DUMMY_KEY, parent)
-        for rel, content in spec.adapter.config_files.items():
-            _write_under(Path(spec.home), rel, render(content, values))
-        agent_env = {**env, **{k: render(v, values) for k, v in spec.adapter.env.items()}}
-        argv = [render(a, values) for a in spec.adapter.command]
-        code, agent_s = run_group(argv, cwd=Path(spec.workdir), env=agent_env, out=out, name="agent",
+        argv, adapter_env = render_adapter(spec.adapter, values, Path(spec.home))
+        code, agent_s = run_group(argv, cwd=Path(spec.workdir), env={**env, **adapter_env}, out=out, name="agent",
                                   timeout=spec.task.timeout_s)
         result = replace(result, exit_code=code, agent_s=round(agent_s, 3))
         if code is None:

@@ -24,8 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from openforge.rollout.adapters import AdapterError, render, resolve
-from openforge.rollout.episode import tools_dir
+from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
 
