@@ -146,7 +146,7 @@ def write_samples(db: Path, samples: list[dict], tokenizer_name: str = "qwen3", 
     for s in samples:
         con.execute(
             "INSERT INTO samples VALUES "
-            "(?, ?, 'run1', 'task1', ?, ?, 'engine', ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, 'agent', 'test')",
+            "(?, ?, 'run1', 'task1', ?, ?, 'engine', ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, 'agent', 'test', 0)",
             [s["sample_id"], s["episode_id"], tokenizer_name, vocab_size, s["input_ids"], s["loss_mask"],
              s["behaviour_logprobs"], s.get("n_tokens", len(s["input_ids"])),
              s.get("n_trainable", int(sum(s["loss_mask"][1:]))), s["reward"],
