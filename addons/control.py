@@ -1,8 +1,10 @@
-"""The proxy's own endpoints, answered here and never forwarded (docs/addon.md, Rewards, Policy version, Status).
+"""The proxy's own endpoints, answered here and never forwarded (docs/addon.md, Rewards, Policy version, Pause
+and resume, Status).
 
 `POST /openforge/v1/episodes/<episode>/reward` writes a reward record; `/openforge/v1/policy` reads and sets
-the policy version stamped on new exchange records; `GET /openforge/v1/status` is a readiness probe. All
-answer plain JSON (`{"ok": ...}` / `{"error": ...}`), not an LLM protocol's shape.
+the policy version stamped on new exchange records; `POST /openforge/v1/pause` and `/resume` hold new LLM
+calls during a weight update and release them; `GET /openforge/v1/status` is a readiness probe. All answer
+plain JSON (`{"ok": ...}` / `{"error": ...}`), not an LLM protocol's shape. None of them is ever held.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from . import access, flowfile, options, wire
 from .bodies import json_object
 from .engine import Engine
 from .errors import Refused
+from .pause import Pause
 from .recorder import Recorder
 
 logger = logging.getLogger("openforge")
@@ -28,13 +31,14 @@ MAX_REWARD_BODY = 1 << 20
 MAX_METADATA_BYTES = 64 << 10
 MAX_METADATA_DEPTH = 32
 MAX_ID_CHARS = 256  # episode and task ids
-MAX_POLICY_BODY = 4096
+MAX_POLICY_BODY = 4096  # policy, pause and resume bodies
+_PATHS = frozenset({wire.STATUS_PATH, wire.POLICY_PATH, wire.PAUSE_PATH, wire.RESUME_PATH})
 _INT64 = (-(1 << 63), (1 << 64) - 1)  # what msgpack can write
 
 
 def handles(path: str) -> bool:
     """Whether a path (no query string) is one of the proxy's own endpoints."""
-    return path.startswith(wire.REWARD_PREFIX) or path in (wire.STATUS_PATH, wire.POLICY_PATH)
+    return path.startswith(wire.REWARD_PREFIX) or path in _PATHS
 
 
 def reward_path(path: str) -> tuple[str, str]:
@@ -44,14 +48,16 @@ def reward_path(path: str) -> tuple[str, str]:
 
 
 class Control:
-    """Answers the reward, policy and status endpoints from the recorder's and the engine's state.
-    `policy_version`: the version the routing addon stamps on each exchange as its request arrives."""
+    """Answers the reward, policy, pause and status endpoints from the recorder's and the engine's state.
+    `policy_version`: the version the routing addon stamps on each exchange as it goes to the engine;
+    `pause`: what new LLM calls wait on."""
 
     def __init__(self, recorder: Recorder, engine: Engine) -> None:
         self._recorder = recorder
         self._engine = engine
         self._rewarded: set[str] = set()  # episodes rewarded here under openforge_reward_policy=first
         self.policy_version = 0
+        self.pause = Pause()
 
     def configure(self, s: options.Settings, updated: set[str]) -> None:
         """Take `openforge_policy_version` when it was (re)set, not when another option changed at runtime."""
@@ -64,6 +70,8 @@ class Control:
             self._status(flow, s)
         elif path == wire.POLICY_PATH:
             self._policy(flow, s)
+        elif path in (wire.PAUSE_PATH, wire.RESUME_PATH):
+            self._pause_or_resume(flow, path == wire.PAUSE_PATH, s)
         else:
             self._reward(flow, path, s)
 
@@ -152,6 +160,51 @@ class Control:
                 logger.warning(f"OpenForge: policy version change refused ({e.status}): {e.message}")
         flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
 
+    def _pause_or_resume(self, flow: http.HTTPFlow, pause: bool, s: options.Settings) -> None:
+        """POST /openforge/v1/pause (`{"timeout_s": N}` optional) holds new LLM calls; POST /openforge/v1/resume
+        (`{"version": N}` optional, set before any held call goes on) releases them. Both idempotent; both need
+        a reward token (the agent must not stall the run or choose its calls' version)."""
+        req = flow.request
+        answer: dict[str, Any]
+        action = "pausing" if pause else "resuming"
+        try:
+            if req.method != "POST":
+                raise Refused(405, "use POST", "method_not_allowed")
+            check_reward_token(req, s, f"{action} the proxy")
+            body = json_object(req.content or b"{}") if len(req.content or b"") <= MAX_POLICY_BODY else None
+            status, answer = 200, self._pause_now(body, s) if pause else self._resume_now(body)
+        except Refused as e:
+            status, answer = e.status, {"error": e.message}
+            if e.status in (401, 403):
+                logger.warning(f"OpenForge: {action} refused ({e.status}): {e.message}")
+        flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+
+    def _pause_now(self, body: dict[str, Any] | None, s: options.Settings) -> dict[str, Any]:
+        if body is None or set(body) - {"timeout_s"}:
+            raise Refused(400, 'body must be empty or a JSON object with only "timeout_s"', "invalid_request_error")
+        timeout = options.pause_timeout(body["timeout_s"]) if "timeout_s" in body else s.pause_timeout
+        if timeout is None:
+            raise Refused(400, f'"timeout_s" must be a number of seconds above 0 and at most '
+                          f"{options.MAX_PAUSE_TIMEOUT:g}", "invalid_request_error")
+        was = self.pause.pause(timeout)
+        logger.info(f"OpenForge: paused: new LLM calls wait up to {timeout:g} s")
+        return {"ok": True, "paused": True, "was_paused": was, "held": self.pause.held, "timeout_s": timeout}
+
+    def _resume_now(self, body: dict[str, Any] | None) -> dict[str, Any]:
+        if body is None or set(body) - {"version"}:
+            raise Refused(400, 'body must be empty or a JSON object with only "version"', "invalid_request_error")
+        version = options.policy_version(body["version"]) if "version" in body else self.policy_version
+        if version is None:
+            raise Refused(400, f'"version" must be an integer from 0 to {options.MAX_POLICY_VERSION - 1}',
+                          "invalid_request_error")
+        previous, self.policy_version = self.policy_version, version
+        was = self.pause.paused
+        released = self.pause.resume()
+        logger.info(f"OpenForge: resumed: {released} held call(s) released, policy version {version} "
+                    f"(was {previous})")
+        return {"ok": True, "paused": False, "was_paused": was, "released": released, "version": version,
+                "previous": previous}
+
     def _status(self, flow: http.HTTPFlow, s: options.Settings) -> None:
         """GET /openforge/v1/status: a readiness probe, answered here. `write_error`: why the last record
         could not be written (calls are answered 503 meanwhile); it stays ready, so traffic can retry."""
@@ -166,7 +219,8 @@ class Control:
         answer = {"ok": ok, "write_error": rec.write_error, "proxy": rec.instance, "started": rec.started,
                   "upstream": s.upstream_display, "engine_profile": self._engine.profile,
                   "flow_file": str(writer.current_path) if writer and writer.current_path else None,
-                  "records": rec.records, "in_flight": len(rec.inflight), "policy_version": self.policy_version}
+                  "records": rec.records, "in_flight": len(rec.inflight), "policy_version": self.policy_version,
+                  "paused": self.pause.paused, "held": self.pause.held}
         flow.response = http.Response.make(200 if ok else 503, json.dumps(answer).encode(),
                                            {"content-type": "application/json"})
 

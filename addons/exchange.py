@@ -57,7 +57,7 @@ class Exchange:
         # and returns None, or (not recorded) the bytes the client gets instead of what is held.
         self.on_end: Callable[[], bytes | None] | None = None
         self.held: list[bytes] = []  # the client's terminal event (and anything after it), until recorded
-        self.policy_version = 0  # the proxy's policy version when the request arrived
+        self.policy_version = 0  # the proxy's policy version when the call went on to the engine
 
     # -- streaming -----------------------------------------------------------------------------------
     def on_chunk(self, data: bytes) -> bytes | list[bytes]:

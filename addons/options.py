@@ -23,6 +23,7 @@ PROFILES = ("auto", "vllm", "sglang", "llamacpp", "generic")
 REWARD_POLICIES = ("last", "first")
 TRANSLATE = ("never", "auto", "always")
 MAX_POLICY_VERSION = 1 << 63  # versions are int64 in records and in DuckDB
+MAX_PAUSE_TIMEOUT = 86400.0  # a held call waits at most a day: past that the client is long gone
 DEFAULT_VENDOR_HOSTS = (
     "api.openai.com",
     "api.anthropic.com",
@@ -79,14 +80,16 @@ SPECS = (
                "(Bearer, x-api-key, api-key or a /k/<token>/ path prefix); replaced by the upstream key. "
                "None: no access check. Default: $OPENFORGE_CLIENT_TOKENS; never logged.", secret=True),
     OptionSpec("openforge_client_tokens_file", "", "File of client tokens, one per line (a mounted Secret)."),
-    OptionSpec("openforge_reward_tokens", "", "Comma-separated tokens a verifier must present to post rewards "
-               "and set the policy version (required once any token is set; a client token is not enough). "
-               "Default: $OPENFORGE_REWARD_TOKENS; never logged.", secret=True),
+    OptionSpec("openforge_reward_tokens", "", "Comma-separated tokens a verifier must present to post rewards, "
+               "set the policy version and pause the proxy (required once any token is set; a client token is not "
+               "enough). Default: $OPENFORGE_REWARD_TOKENS; never logged.", secret=True),
     OptionSpec("openforge_reward_tokens_file", "", "File of reward tokens, one per line (a mounted Secret)."),
     OptionSpec("openforge_reward_policy", "last", "Which reward of an episode counts: last (a later post "
                "replaces it) or first (a later post is refused with 409)."),
     OptionSpec("openforge_policy_version", "0", "The policy version the proxy starts with (a non-negative integer), "
                "stamped on every exchange record; the control API (PUT /openforge/v1/policy) changes it."),
+    OptionSpec("openforge_pause_timeout", "300", "Seconds a new LLM call may wait while the proxy is paused for a "
+               "weight update (POST /openforge/v1/pause) before it is answered 503; a pause may set its own."),
     OptionSpec("openforge_allow_paths", "", "Comma-separated engine paths (fnmatch patterns, e.g. /health,"
                "/tokenize) forwarded besides the LLM endpoints; every other path is refused with 403."),
 )
@@ -150,6 +153,7 @@ class Settings:
     reward_policy: str = "last"
     allow_paths: tuple[str, ...] = ()
     policy_version: int = 0
+    pause_timeout: float = 300.0
 
     @property
     def guarded(self) -> bool:
@@ -235,6 +239,7 @@ def parse(values: dict[str, str]) -> Settings:
         reward_policy=policy,
         allow_paths=allow,
         policy_version=_policy_version(get("openforge_policy_version")),
+        pause_timeout=_pause_timeout(get("openforge_pause_timeout")),
     )
 
 
@@ -284,6 +289,24 @@ def _policy_version(value: str) -> int:
         raise BadOption(f"openforge_policy_version must be an integer from 0 to {MAX_POLICY_VERSION - 1}, "
                         f"got {value!r}")
     return version
+
+
+def pause_timeout(value: object) -> float | None:
+    """How long a held call may wait: a number of seconds in (0, MAX_PAUSE_TIMEOUT]; None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_PAUSE_TIMEOUT:
+        return None
+    return float(value)
+
+
+def _pause_timeout(value: str) -> float:
+    try:
+        timeout = pause_timeout(float(value))
+    except ValueError:
+        timeout = None
+    if timeout is None:
+        raise BadOption(f"openforge_pause_timeout must be a number of seconds above 0 and at most "
+                        f"{MAX_PAUSE_TIMEOUT:g}, got {value!r}")
+    return timeout
 
 
 def _upstream_key(key: str) -> str:

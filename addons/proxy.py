@@ -9,8 +9,9 @@ error; it never goes upstream with the client's credentials or unrecorded.
 
 This is the routing addon: mitmproxy's hooks, in the order a call takes them. Each other concern is a
 plain part it calls: `options` (declared and parsed once), `routes` (pure route planning), `engine`
-(reachability probe, profile), `control` (reward, policy and status endpoints), `recorder` (flow file, in-flight
-exchanges, shutdown), `calllog` (the per-call line), `errors` and `bodies` (what the client gets).
+(reachability probe, profile), `control` (reward, policy, pause and status endpoints; `pause` holds calls),
+`recorder` (flow file, in-flight exchanges, shutdown), `calllog` (the per-call line), `errors` and `bodies`
+(what the client gets).
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ class OpenForge:
         exposed = sorted(h or "every interface" for h in hosts if not access.is_loopback(h))
         if exposed:
             logger.warning(f"OpenForge: listening on {', '.join(exposed)} without openforge_client_tokens: anyone "
-                           f"who reaches the port can spend the upstream key, post rewards, set the policy version "
-                           f"and read the status; set client and reward tokens or use --listen-host 127.0.0.1 "
-                           f"(docs/addon.md, Security)")
+                           f"who reaches the port can spend the upstream key, post rewards, set the policy version, "
+                           f"pause the proxy and read the status; set client and reward tokens or use "
+                           f"--listen-host 127.0.0.1 (docs/addon.md, Security)")
 
     def _check_route(self, s: options.Settings, role: str) -> None:
         """Warn once per role whose calls match no route while a routing table is set: they keep their model
@@ -162,6 +163,8 @@ class OpenForge:
             if ex is None or ex.protocol == "other":
                 return
             protocol = ex.protocol
+            await self.control.pause.wait()
+            ex.policy_version = self.control.policy_version  # the weights it will meet, a held call's too
             problem = await self.engine.problem(flow, s)
             if problem:
                 self._answer(flow, ex, 502, f"OpenForge: upstream {s.upstream_display} unreachable: {problem}",

@@ -25,6 +25,8 @@ DROP_UPSTREAM_LLM_BYTES = DROP_UPSTREAM_BYTES | {b"accept-encoding"}  # replaced
 REWARD_PREFIX = "/openforge/v1/episodes/"
 STATUS_PATH = "/openforge/v1/status"
 POLICY_PATH = "/openforge/v1/policy"
+PAUSE_PATH = "/openforge/v1/pause"
+RESUME_PATH = "/openforge/v1/resume"
 
 # User-Agent fragments (lower case) -> toolchain name; first match wins.
 _TOOLCHAINS = (
