@@ -42,7 +42,7 @@ CREATE TABLE IF NOT EXISTS calls (
     -- engine (prompt ids from the engine) | match / mismatch (rendered prompt length vs the engine's
     -- usage.prompt_tokens; mismatch = template drift, not trainable by default) | unchecked (no usage)
     prompt_check      VARCHAR,
-    policy_version    BIGINT               -- the proxy's policy version when the call arrived; NULL: not recorded
+    policy_version    BIGINT               -- the proxy's policy version when the call went to the engine; NULL: not recorded
 );
 
 CREATE TABLE IF NOT EXISTS episodes (
