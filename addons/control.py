@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -95,7 +96,7 @@ class Control:
                     self._rewarded.add(episode)
                 status, answer = 200, {"ok": True, "id": record["id"], "episode": episode}
                 logger.info(f"reward episode={wire.printable(episode)} reward={record['reward']:g}")
-        flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+        respond(flow, status, answer)
 
     def _reward_record(self, flow: http.HTTPFlow, episode: str, rest: str,
                        s: options.Settings) -> flowfile.RewardRecord:
@@ -135,49 +136,40 @@ class Control:
     def _policy(self, flow: http.HTTPFlow, s: options.Settings) -> None:
         """GET /openforge/v1/policy reads the policy version (any token); PUT or POST `{"version": N}` sets it
         (a reward token: the agent must not choose which policy its calls count as)."""
-        req = flow.request
-        answer: dict[str, Any]
-        try:
-            if req.method == "GET":
-                if not any_token(req, s):
-                    raise Refused(401, "missing or unknown token (a client or reward token)", "invalid_api_key")
-                status, answer = 200, {"ok": True, "version": self.policy_version}
-            elif req.method in ("PUT", "POST"):
-                check_reward_token(req, s, "setting the policy version")
-                body = json_object(req.content) if len(req.content or b"") <= MAX_POLICY_BODY else None
-                version = options.policy_version(body.get("version")) if body is not None else None
-                if version is None:
-                    raise Refused(400, f'body must be a JSON object with "version": an integer from 0 to '
-                                  f"{options.MAX_POLICY_VERSION - 1}", "invalid_request_error")
-                previous, self.policy_version = self.policy_version, version
-                status, answer = 200, {"ok": True, "version": version, "previous": previous}
-                logger.info(f"OpenForge: policy version {version} (was {previous})")
-            else:
-                raise Refused(405, 'use GET, or PUT (or POST) with {"version": N}', "method_not_allowed")
-        except Refused as e:
-            status, answer = e.status, {"error": e.message}
-            if e.status in (401, 403):
-                logger.warning(f"OpenForge: policy version change refused ({e.status}): {e.message}")
-        flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+        answer_refusable(flow, "policy version change", lambda: self._policy_now(flow.request, s))
+
+    def _policy_now(self, req: http.Request, s: options.Settings) -> dict[str, Any]:
+        if req.method == "GET":
+            if not any_token(req, s):
+                raise Refused(401, "missing or unknown token (a client or reward token)", "invalid_api_key")
+            return {"ok": True, "version": self.policy_version}
+        if req.method not in ("PUT", "POST"):
+            raise Refused(405, 'use GET, or PUT (or POST) with {"version": N}', "method_not_allowed")
+        check_reward_token(req, s, "setting the policy version")
+        body = json_object(req.content) if len(req.content or b"") <= MAX_POLICY_BODY else None
+        version = options.policy_version(body.get("version")) if body is not None else None
+        if version is None:
+            raise Refused(400, f'body must be a JSON object with "version": an integer from 0 to '
+                          f"{options.MAX_POLICY_VERSION - 1}", "invalid_request_error")
+        previous, self.policy_version = self.policy_version, version
+        logger.info(f"OpenForge: policy version {version} (was {previous})")
+        return {"ok": True, "version": version, "previous": previous}
 
     def _pause_or_resume(self, flow: http.HTTPFlow, pause: bool, s: options.Settings) -> None:
         """POST /openforge/v1/pause (`{"timeout_s": N}` optional) holds new LLM calls; POST /openforge/v1/resume
         (`{"version": N}` optional, set before any held call goes on) releases them. Both idempotent; both need
         a reward token (the agent must not stall the run or choose its calls' version)."""
-        req = flow.request
-        answer: dict[str, Any]
         action = "pausing" if pause else "resuming"
-        try:
+
+        def now() -> dict[str, Any]:
+            req = flow.request
             if req.method != "POST":
                 raise Refused(405, "use POST", "method_not_allowed")
             check_reward_token(req, s, f"{action} the proxy")
             body = json_object(req.content or b"{}") if len(req.content or b"") <= MAX_POLICY_BODY else None
-            status, answer = 200, self._pause_now(body, s) if pause else self._resume_now(body)
-        except Refused as e:
-            status, answer = e.status, {"error": e.message}
-            if e.status in (401, 403):
-                logger.warning(f"OpenForge: {action} refused ({e.status}): {e.message}")
-        flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+            return self._pause_now(body, s) if pause else self._resume_now(body)
+
+        answer_refusable(flow, action, now)
 
     def _pause_now(self, body: dict[str, Any] | None, s: options.Settings) -> dict[str, Any]:
         if body is None or set(body) - {"timeout_s"}:
@@ -209,9 +201,7 @@ class Control:
         """GET /openforge/v1/status: a readiness probe, answered here. `write_error`: why the last record
         could not be written (calls are answered 503 meanwhile); it stays ready, so traffic can retry."""
         if not any_token(flow.request, s):
-            flow.response = http.Response.make(
-                401, b'{"ok": false, "error": "missing or unknown token (a client or reward token)"}',
-                {"content-type": "application/json"})
+            respond(flow, 401, {"ok": False, "error": "missing or unknown token (a client or reward token)"})
             return
         rec = self._recorder
         writer = rec.writer
@@ -221,8 +211,22 @@ class Control:
                   "flow_file": str(writer.current_path) if writer and writer.current_path else None,
                   "records": rec.records, "in_flight": len(rec.inflight), "policy_version": self.policy_version,
                   "paused": self.pause.paused, "held": self.pause.held}
-        flow.response = http.Response.make(200 if ok else 503, json.dumps(answer).encode(),
-                                           {"content-type": "application/json"})
+        respond(flow, 200 if ok else 503, answer)
+
+
+def respond(flow: http.HTTPFlow, status: int, answer: dict[str, Any]) -> None:
+    flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
+
+
+def answer_refusable(flow: http.HTTPFlow, action: str, make: Callable[[], dict[str, Any]]) -> None:
+    """Answer `make()` with 200, or its `Refused` as `{"error": ...}` (a warning for 401 / 403)."""
+    try:
+        status, answer = 200, make()
+    except Refused as e:
+        status, answer = e.status, {"error": e.message}
+        if e.status in (401, 403):
+            logger.warning(f"OpenForge: {action} refused ({e.status}): {e.message}")
+    respond(flow, status, answer)
 
 
 def check_reward_token(req: http.Request, s: options.Settings, action: str) -> None:

@@ -14,19 +14,13 @@ import openai
 import pytest
 
 from openforge.addons import options
-from openforge.addons.flowfile import expand_paths, open_flow_file
+from tests.support.control_api import CLIENT_TOKEN, REWARD_TOKEN, TOKENS_ENV, bearer, exchanges
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
 
-CLIENT_TOKEN = "of-client-TOKEN-0123456789abcdef"
-REWARD_TOKEN = "of-reward-TOKEN-0123456789abcdef"
 MESSAGES: list[Any] = [{"role": "user", "content": "list the files here"}]
 DEADLINE = 60.0  # generous: only a broken proxy takes this long
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +32,7 @@ def engine() -> Any:
 @pytest.fixture(scope="module")
 def proxy(engine: ScriptedEngine, start_module_proxy: Any) -> Any:
     return start_module_proxy(engine.url, "openforge_engine_profile=vllm",
-                              env={"OPENFORGE_CLIENT_TOKENS": CLIENT_TOKEN, "OPENFORGE_REWARD_TOKENS": REWARD_TOKEN})
+                              env=TOKENS_ENV)
 
 
 @pytest.fixture(autouse=True)
@@ -63,12 +57,6 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.02)
-
-
-def exchanges(proxy: Any, episode: str) -> list[dict[str, Any]]:
-    status(proxy)  # every answered call is written
-    return [r for path in expand_paths([proxy.flow_dir]) for r in open_flow_file(path).records()
-            if r["type"] == "exchange" and r["episode"] == episode]
 
 
 def chat_calls(engine: ScriptedEngine) -> int:

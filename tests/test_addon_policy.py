@@ -8,18 +8,12 @@ import httpx
 import pytest
 
 from openforge.addons import options
-from openforge.addons.flowfile import expand_paths, open_flow_file
+from tests.support.control_api import CLIENT_TOKEN, REWARD_TOKEN, TOKENS_ENV, bearer, exchanges
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
 
-CLIENT_TOKEN = "of-client-TOKEN-0123456789abcdef"
-REWARD_TOKEN = "of-reward-TOKEN-0123456789abcdef"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "list the files here"}]}
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {token}"}
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +25,12 @@ def engine() -> Any:
 @pytest.fixture(scope="module")
 def proxy(engine: ScriptedEngine, start_module_proxy: Any) -> Any:
     return start_module_proxy(engine.url, "openforge_engine_profile=vllm", "openforge_policy_version=2",
-                              env={"OPENFORGE_CLIENT_TOKENS": CLIENT_TOKEN, "OPENFORGE_REWARD_TOKENS": REWARD_TOKEN})
+                              env=TOKENS_ENV)
 
 
 def policy(proxy: Any, token: str = REWARD_TOKEN, **kwargs: Any) -> httpx.Response:
     method = kwargs.pop("method", "PUT")
     return httpx.request(method, f"{proxy.url}/openforge/v1/policy", headers=bearer(token), **kwargs)
-
-
-def exchanges(proxy: Any, episode: str) -> list[dict[str, Any]]:
-    httpx.get(f"{proxy.url}/openforge/v1/status", headers=bearer(CLIENT_TOKEN))  # every answered call is written
-    return [r for path in expand_paths([proxy.flow_dir]) for r in open_flow_file(path).records()
-            if r["type"] == "exchange" and r["episode"] == episode]
 
 
 def test_the_option_sets_the_first_version_and_the_api_reads_and_sets_it(proxy: Any, engine: Any) -> None:
