@@ -104,8 +104,8 @@ def body_has_token_ids(body: bytes | None) -> bool:
         if (body[i - 1:i] == b'"' or body[max(0, i - 8):i] == b'"prompt_') and _NON_EMPTY_LIST.match(body, i + 10):
             return True
         i = body.find(b'token_ids"', i + 10)
-    if _RAW_MESSAGE_TOKENS not in body and (b'"id"' not in body or not _LOGPROBS_OBJECT.search(body)):
-        return False
+    if (b'"id"' not in body or not _LOGPROBS_OBJECT.search(body)) and _RAW_MESSAGE_TOKENS not in body:
+        return False  # a llama.cpp answer (ids in logprobs) skips the scan for Responses' raw tokens
     try:
         return has_token_ids(json.loads(body))
     except ValueError:
