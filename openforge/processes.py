@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 ADDON = Path(__file__).resolve().parent.parent / "addons" / "openforge.py"
@@ -141,24 +142,26 @@ class Child:
     def stop(self, sig: int = signal.SIGINT, grace: float = 10.0) -> int:
         """Signal the whole group with `sig` (SIGINT lets mitmdump close its flow file), then SIGTERM and
         finally SIGKILL to what is left after `grace` seconds each; the child's exit code. Safe twice."""
-        for step in dict.fromkeys((sig, signal.SIGTERM, signal.SIGKILL)):
-            if not self._running():
-                break
-            _signal_group(self.proc.pid, step)
-            self._wait_gone(grace)
-        return self.proc.wait()
+        return stop_group(self.proc, grace, (sig, signal.SIGTERM, signal.SIGKILL))
 
-    def _running(self) -> bool:
-        return self.proc.poll() is None or group_alive(self.proc.pid)
 
-    def _wait_gone(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+def stop_group(proc: subprocess.Popen[Any], grace: float,
+               signals: Iterable[int] = (signal.SIGTERM, signal.SIGKILL)) -> int:
+    """Signal the process group `proc` leads (started with `start_new_session`) with each of `signals` in
+    turn while any of it still runs, `grace` seconds each, so what it left in the background goes too; the
+    leader's exit code."""
+    for sig in dict.fromkeys(signals):
+        if proc.poll() is not None and not group_alive(proc.pid):
+            break
+        signal_group(proc.pid, sig)
+        deadline = time.monotonic() + grace
         try:
-            self.proc.wait(timeout)
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
-            return
-        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+            continue
+        while group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
+    return proc.wait()
 
 
 def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Callable[[], None]:
@@ -172,7 +175,7 @@ def _then(first: Callable[[], None], second: Callable[[], None] | None) -> Calla
     return both
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:

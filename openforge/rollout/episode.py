@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from openforge.processes import stop_group
 from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 from openforge.rollout.tasks import relative_path
@@ -78,24 +79,6 @@ def _write_under(root: Path, rel: str, content: str) -> None:
     path.write_text(content, encoding="utf-8")
 
 
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group, give the leader a grace period, SIGKILL whatever is left; reap the leader."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:  # the group is gone already
-        proc.wait()
-        return
-    try:
-        proc.wait(KILL_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def run_group(argv: list[str], *, cwd: Path, env: dict[str, str], out: Path, name: str,
               timeout: float) -> tuple[int | None, float]:
     """Run `argv` in its own process group, stdout/stderr to `out/name.stdout|.stderr`; (exit code or None
@@ -112,7 +95,7 @@ def run_group(argv: list[str], *, cwd: Path, env: dict[str, str], out: Path, nam
         except subprocess.TimeoutExpired:
             code = None
         finally:  # on timeout or interruption: the command; else: what it left behind in the background
-            kill_group(proc)
+            stop_group(proc, KILL_GRACE_S)
     return code, time.monotonic() - started
 
 

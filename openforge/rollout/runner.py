@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import secrets
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from openforge.processes import signal_group, stop_group
 from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
@@ -101,12 +101,7 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
         try:
             code = proc.wait(3 * spec.task.timeout_s + EPISODE_SLACK_S)
         except subprocess.TimeoutExpired:  # SIGTERM first: the episode then kills its agent's group
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                code = proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                code = proc.wait()
+            code = stop_group(proc, 10.0)
         finally:
             with lock:
                 running.discard(proc)
@@ -122,10 +117,7 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
         pool.shutdown(wait=False, cancel_futures=True)
         with lock:
             for proc in running:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                signal_group(proc.pid, signal.SIGTERM)
         raise
     pool.shutdown()
     return results
