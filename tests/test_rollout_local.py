@@ -214,8 +214,9 @@ def test_cli_prints_the_summary_tables(proxy: Any, tmp_path: Path) -> None:
 def test_example_agent_against_the_embedded_engine(start_proxy: Any, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The same rollout against the real embedded engine (llama.cpp serving SmolLM2-135M) instead of a
-    scripted one: every episode ends `ok` with the verifier's reward (right answer 1.0, else 0.0), and each
-    reward and the engine's own token ids reach DuckDB through reconstruct."""
+    scripted one. Every episode ends with a posted reward: `ok` with the verifier's (right answer 1.0, else
+    0.0), or `agent_failed` with 0.0 (a sampled tool call that is not JSON makes llama.cpp answer 500 and
+    the agent exit 1); the rewards and the engine's own token ids reach DuckDB through reconstruct."""
     from openforge.engine import EmbeddedEngine
     from openforge.models import load_gguf_tokenizer
 
@@ -228,14 +229,17 @@ def test_example_agent_against_the_embedded_engine(start_proxy: Any, tmp_path: P
     with EmbeddedEngine(threads=1, log_path=tmp_path / "engine.log") as engine:
         proxy = start_proxy(engine.url, f"openforge_client_tokens={CLIENT}", f"openforge_reward_tokens={REWARD}")
         rollout = run(tasks, ["tool-agent"], proxy=proxy.url, out=tmp_path / "out", attempts=2, concurrency=2)
-        assert [(r.status, r.reward_posted) for r in rollout.results] == [("ok", True)] * 4, rollout.results
-        assert {r.reward for r in rollout.results} <= {0.0, 1.0}
+        assert len(rollout.results) == 4 and all(r.reward_posted for r in rollout.results), rollout.results
+        assert {(r.status, r.reward) for r in rollout.results} <= {("ok", 0.0), ("ok", 1.0), ("agent_failed", None)}
         proxy.stop()
     summary = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", load_gguf_tokenizer())
-    assert summary.calls == summary.calls_engine_ids + summary.calls_mixed > 0, summary
+    # llama.cpp's completion ids, prompts rendered; a completion ending mid-character has no ids (retokenized)
+    assert summary.calls_mixed > 0 and summary.calls_engine_ids == 0, summary
     con = duckdb.connect(str(tmp_path / "db.duckdb"), read_only=True)
     try:
         rows = con.execute("SELECT episode_id, task_id, reward FROM episodes").fetchall()
     finally:
         con.close()
-    assert {e: (t, r) for e, t, r in rows} == {r.episode: (r.task_id, r.reward) for r in rollout.results}
+    got = {e: (t, r) for e, t, r in rows}  # an episode whose every call failed (500) has no calls to train on
+    assert got.items() <= {r.episode: (r.task_id, r.reward or 0.0) for r in rollout.results}.items()
+    assert {r.episode for r in rollout.results if r.status == "ok"} <= got.keys()
