@@ -28,7 +28,7 @@ class TreeCall:
     conv_end: str = ""
     trainable: bool = True  # False: its completion stays at loss mask 0 (not the policy's, or template drift)
     toolchain: str | None = None
-    policy_version: int | None = None  # the proxy's policy version when the call arrived
+    policy_version: int | None = None  # the proxy's policy version when the call went to the engine
 
     @property
     def end(self) -> int:
