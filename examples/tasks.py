@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from openforge.rollout.spec import Task as RolloutTask
 
 
 @dataclass(frozen=True)
@@ -22,3 +28,13 @@ TASKS = (
     Task("sub-2", "What is 90 - 48?", 42),
     Task("mix-2", "What is (20 - 8) * 3?", 36),
 )
+
+
+def rollout_tasks(n: int = len(TASKS), python: str = sys.executable) -> list[RolloutTask]:
+    """The first `n` tasks as rollout tasks for the `tool-agent` toolchain, graded by the example verifier
+    (`openforge rl`'s default task set; `python` runs the verifier)."""
+    from openforge.rollout.spec import Task as RolloutTask
+
+    verify = f"{shlex.quote(python)} -m openforge.examples.verifier --answer"
+    return [RolloutTask(id=t.id, prompt=t.question, verify=f"{verify} {t.answer}", timeout_s=120.0,
+                        toolchains=("tool-agent",)) for t in TASKS[:n]]

@@ -200,10 +200,15 @@ def run_batch(
     return done
 
 
-def run_prompt(base_url: str, prompt: str, answer_file: str | None, **kwargs: Any) -> int:
-    """One episode on `prompt` at `base_url`: print the answer (and write it to `answer_file`); exit code 1
-    when the engine could not be reached or refused."""
+def run_prompt(base_url: str, prompt: str, answer_file: str | None, transcript: str | None = None,
+               **kwargs: Any) -> int:
+    """One episode on `prompt` at `base_url`: print the answer (and write it to `answer_file`, and what the
+    verifier grades to `transcript`); exit code 1 when the engine could not be reached or refused."""
     episode = run_episode("", Task("prompt", prompt, 0), base_url=base_url, **kwargs)
+    if transcript:
+        with open(transcript, "w", encoding="utf-8") as f:
+            json.dump({"final": episode.final, "tool_results": episode.tool_results, "n_calls": episode.n_calls,
+                       "error": episode.error}, f)
     if episode.error:
         print(f"error: {episode.error}", file=sys.stderr)
         return 1
@@ -226,13 +231,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attempts", type=int, default=2, help="episodes per task (GRPO group size)")
     parser.add_argument("--prompt", help="one episode: the question")
     parser.add_argument("--answer-file", help="one episode: also write the answer to this file")
+    parser.add_argument("--transcript", help="one episode: write the answer and tool results (JSON) to this file, "
+                                             "for `python -m openforge.examples.verifier`")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     if args.base_url:
         if not args.prompt:
             parser.error("--base-url needs --prompt")
-        sys.exit(run_prompt(args.base_url, args.prompt, args.answer_file, model=args.model,
+        sys.exit(run_prompt(args.base_url, args.prompt, args.answer_file, args.transcript, model=args.model,
                             max_tokens=args.max_tokens))
     for episode in run_batch(args.proxy, TASKS[: args.tasks], args.attempts, model=args.model,
                              max_tokens=args.max_tokens):

@@ -4,15 +4,21 @@ The reward is graded so a weak model still gets a signal that varies between att
 nothing from a group whose rewards are all equal): 1.0 when the final answer's last number is right;
 otherwise up to 0.5 for using the calculator (0.5 if it returned the right value, 0.25 for any valid
 call) plus up to 0.25 for a final number close to the answer.
+
+As a rollout task's verifier (`openforge.examples.tasks.rollout_tasks`), in the episode's workspace after
+the agent wrote transcript.json: `python -m openforge.examples.verifier --answer 42` prints the reward.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 
 import httpx
 
+from openforge.examples.tasks import Task
 from openforge.examples.tool_agent import Episode
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -46,3 +52,28 @@ def report(proxy: str, episode: Episode, reward: float, timeout: float = 10.0) -
     )
     response.raise_for_status()
     episode.reward = reward
+
+
+def score_transcript(path: str, answer: int) -> float:
+    """The reward of a transcript the example agent wrote (`--transcript`); 0.0 when it wrote none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return 0.0
+    episode = Episode(episode_id="", task=Task("", "", answer), final=data.get("final"),
+                      tool_results=[tuple(r) for r in data.get("tool_results") or []])
+    return score(episode)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m openforge.examples.verifier",
+                                     description="Print the reward of the example agent's transcript.")
+    parser.add_argument("--answer", type=int, required=True, help="the task's right answer")
+    parser.add_argument("--transcript", default="transcript.json", help="what the agent wrote (--transcript)")
+    args = parser.parse_args(argv)
+    print(score_transcript(args.transcript, args.answer))
+
+
+if __name__ == "__main__":
+    main()

@@ -110,7 +110,9 @@ WHERE rank = 1
 
 def advantage_sql(mode: str, group_by: str = "task") -> str:
     """UPDATE every rewarded episode's advantage within its group: the task (no task id: one group per run),
-    or the task and the toolchain (`task-toolchain`: each toolchain's episodes compared among themselves)."""
+    or the task and the toolchain (`task-toolchain`: each toolchain's episodes compared among themselves);
+    either way within one policy version (the lowest of the episode's calls): attempts of one task by two
+    policies of an RL run are never compared."""
     if mode not in ADVANTAGES:
         raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, not {mode!r}")
     if group_by not in GROUPINGS:
@@ -129,8 +131,11 @@ def advantage_sql(mode: str, group_by: str = "task") -> str:
             SELECT episode_id, reward,
                    avg(reward) OVER w AS mean, stddev_samp(reward) OVER w AS std,
                    count(*) OVER w AS n, sum(reward) OVER w AS total
-            FROM episodes WHERE reward IS NOT NULL
-            WINDOW w AS (PARTITION BY {group})
+            FROM episodes LEFT JOIN (
+                SELECT episode_id, min(policy_version) AS policy_version FROM calls GROUP BY episode_id
+            ) USING (episode_id)
+            WHERE reward IS NOT NULL
+            WINDOW w AS (PARTITION BY {group}, coalesce(policy_version, -1))
         )
     ) AS g WHERE episodes.episode_id = g.episode_id
     """

@@ -1,7 +1,7 @@
-"""A shortened `openforge demo` against the real engine: 2 tasks x 2 attempts, 1 GRPO step, export, reload.
+"""README command one, shortened: `openforge demo` (the RL loop on the embedded engine) with 2 tasks x 2
+attempts, 2 iterations of 1 GRPO step, then the notebook over its output directory.
 
-Asserts shapes, ids and files, never the quality of a 135M model's answers. Prints the gap between the
-engine's logprobs and the PyTorch model's for the same tokens (run with -s to see it).
+Asserts shapes, ids, versions and files, never the quality of a 135M model's answers.
 """
 
 from __future__ import annotations
@@ -9,67 +9,65 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import duckdb
 import pytest
-from rich.console import Console
 
-from openforge.demo import Demo, DemoConfig
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(1800)  # minutes on 2 idle cores; much longer when other suites share them
-def test_demo_e2e_short_loop(tmp_path) -> None:
-    cfg = DemoConfig(out=tmp_path / "demo", tasks=2, attempts=2, train_steps=1, step_tokens=1024, threads=1,
-                     max_tokens=64, gap_samples=2)
-    demo = Demo(cfg, Console(file=open(os.devnull, "w"), width=120))
-    result = demo.run()
-    demo.summary()
+def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None:
+    out = tmp_path / "demo-out"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")},
+           "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", "demo", "--out", str(out), "--tasks", "2",
+                           "--attempts", "2", "--iterations", "2", "--steps", "1", "--step-tokens", "1024",
+                           "--threads", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1700)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    text = done.stdout
+    assert "Traceback" not in text + done.stderr
+    # the summary: reward per iteration, where everything is, what to run next
+    assert "openforge rl" in text and "where everything is" in text and "Next:" in text
+    for name in ("rl.jsonl", "rl.png", "rl.duckdb", "flows", "train", "gguf"):
+        assert str(out / name) in text
+    assert "--resume --iterations 4" in text and "--engine vllm" in text and "--toolchain codex" in text
 
-    # episodes: every attempt ran through the proxy and was scored
-    assert len(result.episodes) == 4
-    assert all(e.reward is not None and 0.0 <= e.reward <= 1.0 for e in result.episodes)
-    assert {e.task.id for e in result.episodes} == {"add-1", "mul-1"}
+    lines = [json.loads(x) for x in (out / "rl.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [0, 1] and [x["policy_version"] for x in lines] == [0, 1]
+    for line in lines:
+        assert line["episodes"] == 4 and set(line["tasks"]) == {"add-1", "mul-1"}
+        assert 0.0 <= line["reward_mean"] <= 1.0 and line["toolchains"]["tool-agent"]["episodes"] == 4
+        assert line["train_steps"] == 1 and math.isfinite(line["train"]["loss"])
+        assert line["train"]["engine_gap_mean"] < 0.1  # Q4_1 / f16 in llama.cpp vs fp32 in PyTorch
+        assert {"rollout", "reconstruct", "train", "publish"} <= set(line["seconds"])
+    assert [x["train_step_range"] for x in lines] == [[1, 1], [2, 2]]
+    assert (out / "rl.png").stat().st_size > 10_000
+    assert lines[-1]["served"] == str(out / "gguf" / "policy-0002.gguf")
+    assert (out / "gguf" / "policy-0002.gguf").stat().st_size > 200_000_000
 
-    # flow files -> DuckDB: engine token ids, rewards and GRPO advantages
-    s = result.reconstruct
-    assert s.calls >= 4 and s.calls_mixed == s.calls and s.rewards >= 4  # llama.cpp: completion ids, no prompt ids
-    assert s.calls_prompt_mismatch == 0  # prompts rendered with the engine's template, as long as it counted them
-    con = duckdb.connect(str(result.db), read_only=True)
-    rows = con.execute(
-        "SELECT input_ids, loss_mask, behaviour_logprobs, vocab_size, reward, advantage, token_source FROM samples"
-    ).fetchall()
-    calls = con.execute("SELECT count(*), count(DISTINCT episode_id) FROM calls").fetchone()
+    # flow files -> DuckDB: engine token ids, rewards, GRPO advantages, the policy version of every call
+    con = duckdb.connect(str(out / "rl.duckdb"), read_only=True)
+    versions = con.execute("SELECT r.iteration, c.policy_version, count(*) FROM calls c JOIN rl_episodes r "
+                           "USING (episode_id) GROUP BY 1, 2 ORDER BY 1").fetchall()
+    checks = con.execute("SELECT DISTINCT prompt_check, token_source FROM calls").fetchall()
+    rows = con.execute("SELECT input_ids, loss_mask, behaviour_logprobs, vocab_size, reward, advantage, "
+                       "token_source FROM samples WHERE n_trainable > 0").fetchall()
     con.close()
-    assert calls == (s.calls, 4)
+    assert [(i, v) for i, v, _ in versions] == [(0, 0), (1, 1)]
+    assert set(checks) <= {("match", "mixed"), ("match", "retokenized")}  # llama.cpp: completion ids only
     assert rows
     for ids, mask, logprobs, vocab, reward, advantage, source in rows:
         assert len(ids) == len(mask) == len(logprobs) and vocab == 49152
         assert all(0 <= i < vocab for i in ids) and sum(mask) > 0
-        assert all((m == 0) == math.isnan(lp) for m, lp in zip(mask, logprobs))
-        assert all(lp <= 0 for m, lp in zip(mask, logprobs) if m)
-        assert reward is not None and advantage is not None and source in ("engine", "mixed")
+        assert all(lp <= 0 for m, lp in zip(mask, logprobs) if m and not math.isnan(lp))
+        assert reward is not None and advantage is not None and source in ("engine", "mixed", "retokenized")
 
-    # engine vs trainer logprobs for the same tokens (Q4_1 in llama.cpp vs dequantised fp32 in PyTorch)
-    gap = result.logprob_gap
-    print(f"\nengine vs PyTorch logprobs: mean {gap['mean']:.4f}, max {gap['max']:.4f} nats "
-          f"over {gap['tokens']} tokens")
-    assert gap["tokens"] > 0 and gap["mean"] < 0.1
+    from tests.test_notebooks import execute_rl_notebook
 
-    # one GRPO step, a loadable checkpoint, an exported GGUF the engine served for one more episode
-    assert [m["step"] for m in result.metrics] == [1] and math.isfinite(result.metrics[0]["loss"])
-    assert (result.checkpoint / "model.safetensors").is_file() and (result.checkpoint / "tokenizer.json").is_file()
-    assert result.exported_gguf.is_file() and result.exported_gguf.stat().st_size > 200_000_000
-    assert result.final_episode is not None and result.final_episode.reward is not None
-    # the new policy answered through the proxy; a malformed tool call it sampled (llama.cpp answers 500 when
-    # a tool call is cut off by max_tokens) is the 135M model's quality, scored 0, not a pipeline failure
-    final = result.final_episode
-    assert ((final.n_calls >= 1 and final.error is None)
-            or "Failed to parse tool call" in (final.error or "")), final.error
-    timings = result.timings
-    assert {"engine", "proxy", "episodes", "reconstruct", "train", "export", "episode_new_policy"} <= set(timings)
-    print("timings: " + json.dumps({k: round(v, 1) for k, v in timings.items()}))
-
-    # nothing left running
-    assert demo.engine.proc is None and demo.proxy.proc is None
+    execute_rl_notebook(out)

@@ -115,13 +115,11 @@ def test_readme_commands_agree_with_each_other_and_with_the_cli() -> None:
 
 
 def test_demo_next_lines_run_as_printed(tmp_path: Path) -> None:
-    from openforge.demo import Demo, DemoConfig
+    from openforge.demo import next_commands
 
-    demo = Demo(DemoConfig(out=tmp_path / "demo-out", gguf=tmp_path / "model.gguf"))
-    demo.result.checkpoint = tmp_path / "demo-out/train/checkpoints/step_000002"
-    demo.result.exported_gguf = tmp_path / "demo-out/gguf/smollm2-step_000002.gguf"
-    lines = demo.next_commands()
-    assert len(lines) == 4
+    out = tmp_path / "demo-out"
+    lines = next_commands(out, str(out / "gguf/policy-0003.gguf"), 3)
+    assert len(lines) == 5
     for line in lines:
         args = shlex.split(line.split("   (")[0].split(", then ")[-1])
         while "=" in args[0]:  # VAR=value prefixes
@@ -131,7 +129,8 @@ def test_demo_next_lines_run_as_printed(tmp_path: Path) -> None:
         elif Path(args[0]).name == "jupyter":
             assert "pip install jupyterlab" in line or shutil.which(args[0]) or Path(args[0]).exists(), line
         assert shutil.which(args[0]) or Path(args[0]).exists() or "pip install" in line, line
-    assert f"OPENFORGE_DB={demo.result.db.resolve()}" in lines[1]
+    assert f"OPENFORGE_RL_DIR={out.resolve()}" in lines[0] and "notebooks/rl_run.ipynb" in lines[0]
+    assert f"--out {out} --resume --iterations 5" in lines[1]
 
 
 @pytest.mark.slow
@@ -175,10 +174,11 @@ def test_version_and_one_name_for_the_key_option() -> None:
 def test_demo_proxy_log_has_the_call_lines(tmp_path: Path) -> None:
     import httpx
 
-    from openforge.demo import Proxy
+    from openforge.rl.services import ProxyProcess
     from tests.support.scripted_engine import ScriptedEngine
 
-    with ScriptedEngine(profile="llamacpp") as eng, Proxy(eng.url, tmp_path / "flows", tmp_path / "proxy.log") as proxy:
+    with ScriptedEngine(profile="llamacpp") as eng, ProxyProcess(eng.url, tmp_path / "flows", tmp_path / "proxy.log",
+                                                                 profile="llamacpp", routes={}) as proxy:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         assert httpx.post(f"{proxy.url}/e/ep-1/v1/chat/completions", json=body, timeout=30).status_code == 200
     assert re.search(r"POST /v1/chat/completions chat .*episode=ep-1 .* 200 ", (tmp_path / "proxy.log").read_text())
@@ -195,6 +195,12 @@ BAD_INPUTS = [  # (arguments, what stderr must say); every one is bad usage or b
     (["stats", "--db", "none.duckdb"], "error: No database at none.duckdb"),
     (["flows", "show", "nowhere"], "error: no such flow file"),
     (["demo", "--gguf", "none.gguf"], "error: GGUF file not found"),
+    (["rl", "--out", "o", "--engine", "sglang"], "'sglang' is not one of"),
+    (["rl", "--out", "o", "--iterations", "0"], "error: loop.iterations must be >= 1"),
+    (["rl", "--out", "o", "--set", "train.where=reward > 0"], "error: [train] may not set db, model, out, where"),
+    (["rl", "--out", "o", "--tasks", "none.jsonl"], "error: --tasks: no such file"),
+    (["rl", "--out", "o", "--toolchain", "cursor"], "error: unknown toolchain"),
+    (["rl", "--out", "o", "--resume"], "error: nothing to resume in o"),
     (["proxy"], "error: no engine URL"),
 ]
 

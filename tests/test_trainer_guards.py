@@ -4,6 +4,7 @@ unsafe checkpoints on `--resume` (skipped), and the demo's training stage (never
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -218,32 +219,43 @@ def test_trainer_state_loads_without_pickled_code(two_steps):
     assert state["step"] == 2 and isinstance(state["rng"], torch.Tensor)
 
 
-# --- the demo's training stage ------------------------------------------------------------------------------
+# --- the RL loop's training stage (the demo's) ---------------------------------------------------------------
 
-def demo_train(tmp_path: Path, model: Path, rows: list[dict]):
-    from openforge.demo import Demo, DemoConfig
+def loop_train(tmp_path: Path, model: Path, rows: list[dict]) -> list[dict]:
+    """`openforge rl`'s train stage for iteration 0 on these samples (their episodes that iteration's)."""
+    import duckdb
 
-    demo = Demo(DemoConfig(out=tmp_path / "demo", gguf=tmp_path / "unused.gguf", train_steps=1, bf16=False),
-                Console(file=open(os.devnull, "w")))
-    demo.result.db = write_samples(tmp_path / "demo.duckdb", rows)
-    demo.result.hf_model = model
-    demo.train()
-    return demo.result
+    from openforge.rl.config import load_rl_config
+    from openforge.rl.loop import RL_EPISODES, RLRun
+
+    cfg = load_rl_config(sets={"engine.backend": "vllm", "engine.model": str(model), "train.steps": "1",
+                               "train.step_tokens": "160", "train.row_tokens": "160", "train.device": "cpu",
+                               "train.progress": "false"})
+    run = RLRun(cfg, tmp_path / "rl", Console(file=open(os.devnull, "w")))
+    run.out.mkdir()
+    run.db = write_samples(tmp_path / "rl.duckdb", rows)
+    con = duckdb.connect(str(run.db))
+    con.execute(RL_EPISODES)
+    con.executemany("INSERT INTO rl_episodes VALUES (0, ?, 'task1', 'test', 1, 'ok', 1.0)",
+                    [[e] for e in sorted({r["episode_id"] for r in rows})])
+    con.close()
+    run.train(0)
+    return [json.loads(x) for x in (run.train_out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_demo_trains_on_samples_without_engine_logprobs(tmp_path, tiny_qwen_dir, samples):
+def test_loop_trains_on_samples_without_engine_logprobs(tmp_path, tiny_qwen_dir, samples):
     rows = [s | {"behaviour_logprobs": None} if i % 4 == 0 else s for i, s in enumerate(samples)]
-    result = demo_train(tmp_path, tiny_qwen_dir, rows)
-    assert [m["step"] for m in result.metrics] == [1] and math.isfinite(result.metrics[0]["loss"])
-    assert 0 < result.metrics[0]["engine_logprob_share"] < 1
+    metrics = loop_train(tmp_path, tiny_qwen_dir, rows)
+    assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])
+    assert 0 < metrics[0]["engine_logprob_share"] < 1
 
 
-def test_demo_reports_a_data_error_as_a_demo_error(tmp_path, tiny_qwen_dir, samples):
-    from openforge.demo import DemoError
+def test_loop_reports_a_data_error_as_one_error(tmp_path, tiny_qwen_dir, samples):
+    from openforge.rl.loop import RLError
 
     rows, bad_id = damaged(samples, "nan_advantage")
-    with pytest.raises(DemoError, match=bad_id):
-        demo_train(tmp_path, tiny_qwen_dir, rows)
+    with pytest.raises(RLError, match=f"training refused: .*{bad_id}"):
+        loop_train(tmp_path, tiny_qwen_dir, rows)
 
 
 def test_nan_reward_group_gives_no_nan_checkpoint(tmp_path, tiny_qwen_dir, samples):

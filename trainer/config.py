@@ -107,7 +107,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _coerce(name: str, value: Any, default: Any) -> Any:
+def coerce(name: str, value: Any, default: Any) -> Any:
     """Convert a TOML value or a `--set` string to the type of the field's default."""
     kind = type(default)
     try:
@@ -148,7 +148,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    cfg = TrainConfig(**{k: _coerce(k, v, getattr(defaults, k)) for k, v in values.items()})
+    cfg = TrainConfig(**{k: coerce(k, v, getattr(defaults, k)) for k, v in values.items()})
     return cfg.validate()
 
 

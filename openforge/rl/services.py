@@ -1,0 +1,178 @@
+"""The two servers an RL run keeps up: the engine and the proxy in front of it, and how new weights reach
+the engine while the proxy holds new calls (pause -> publish -> resume with the next policy version).
+
+llama.cpp cannot swap weights in place: publishing exports the checkpoint to GGUF (f16) and restarts the
+server on the same port. vLLM (development mode, never facing the network) reloads them in place.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from openforge.engine import EmbeddedEngine, EngineError, EngineProcess
+from openforge.processes import Child, free_port, listens, mitmdump_command
+from openforge.rl.config import RLConfig
+
+
+class ProxyProcess:
+    """`mitmdump -s addons/openforge.py` in reverse mode in front of the engine, stopped with SIGINT so the
+    addon writes in-flight exchanges and closes its flow file. Tokens reach it through its environment
+    (never its command line); its log has the addon's line per call (`flow_detail=0`)."""
+
+    def __init__(self, upstream: str, flow_dir: Path, log_path: Path, *, profile: str, routes: dict[str, Any],
+                 env: dict[str, str] | None = None, policy_version: int = 0, pause_timeout: float = 300.0,
+                 port: int = 0) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.flow_dir = flow_dir
+        self.command = mitmdump_command(self.port, mode=f"reverse:{upstream}", sets=[
+            "connection_strategy=lazy", "flow_detail=0", f"openforge_upstream_url={upstream}",
+            f"openforge_flow_dir={flow_dir}", f"openforge_engine_profile={profile}",
+            "openforge_models=" + json.dumps(routes), f"openforge_policy_version={policy_version}",
+            f"openforge_pause_timeout={pause_timeout:g}", f"confdir={flow_dir.parent / 'mitmproxy'}",
+        ])
+        self.log_path, self.env = log_path, env
+        self.child: Child | None = None
+
+    def __enter__(self) -> ProxyProcess:
+        self.child = Child(self.command, name="mitmdump", log_path=self.log_path, env=self.env)
+        try:
+            self.child.wait_ready(self.url, 60, probe=listens)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The running mitmdump (None once stopped)."""
+        return self.child.proc if self.child else None
+
+    def __exit__(self, *exc: object) -> None:
+        child, self.child = self.child, None
+        if child is not None:
+            child.stop(signal.SIGINT, 15)
+
+
+class ControlAPI:
+    """The proxy's control endpoints the loop uses, with its reward token (docs/addon.md)."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.http = httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=60)
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        answer = self.http.post(path, json=body or {})
+        if answer.status_code != 200:
+            raise EngineError(f"proxy {path} answered {answer.status_code}: {answer.text[:300]}")
+        return answer.json()
+
+    def status(self) -> dict[str, Any]:
+        """Also makes sure every answered call is in the flow file."""
+        answer = self.http.get("/openforge/v1/status")
+        answer.raise_for_status()
+        return answer.json()
+
+    def pause(self, timeout_s: float) -> None:
+        self._post("/openforge/v1/pause", {"timeout_s": timeout_s})
+
+    def resume(self, version: int) -> None:
+        self._post("/openforge/v1/resume", {"version": version})
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def proxy_routes(cfg: RLConfig) -> dict[str, Any]:
+    """Every policy role's calls go to the engine's model with the RL sampling (docs/addon.md, routing)."""
+    p = cfg.proxy
+    sampling: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p}
+    if p.max_tokens:
+        sampling["max_tokens"] = p.max_tokens
+    return {role: {"models": {"*": cfg.engine.name}, "sampling": sampling} for role in cfg.reconstruct.train_roles}
+
+
+class Policy:
+    """The engine serving the current policy, and how the loop hands it new weights."""
+
+    profile: str
+    engine: EngineProcess
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    @property
+    def url(self) -> str:
+        return self.engine.url
+
+    def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
+        """Serve `checkpoint`'s weights; what is served now (a GGUF or the checkpoint directory)."""
+        raise NotImplementedError
+
+
+class LlamaCppPolicy(Policy):
+    """The embedded llama.cpp engine; new weights = GGUF export + restart on the same port."""
+
+    profile = "llamacpp"
+
+    def __init__(self, cfg: RLConfig, template_gguf: Path, served: Path, log_path: Path) -> None:
+        self.cfg, self.template_gguf, self.log_path = cfg, template_gguf, log_path
+        self.engine = self._engine(served, port=0)
+
+    def _engine(self, gguf: Path, port: int) -> EmbeddedEngine:
+        e = self.cfg.engine
+        return EmbeddedEngine(gguf, port=port, n_ctx=e.max_model_len, n_parallel=e.parallel, threads=e.threads,
+                              log_path=self.log_path)
+
+    def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
+        from safetensors.torch import load_file
+
+        from openforge.gguf_export import export_gguf
+
+        target = out / f"policy-{version:04d}.gguf"
+        export_gguf(load_file(str(checkpoint / "model.safetensors")), self.template_gguf, target)
+        port = self.engine.port
+        self.engine.stop()
+        self.engine = self._engine(target, port)
+        self.engine.start()
+        return target
+
+
+class VllmPolicy(Policy):
+    """vLLM in development mode on 127.0.0.1; new weights = its in-place reload from the checkpoint."""
+
+    profile = "vllm"
+
+    def __init__(self, cfg: RLConfig, served: Path, log_path: Path) -> None:
+        from openforge.vllm_engine import VllmEngine
+
+        e = cfg.engine
+        self.engine = VllmEngine(served, name=e.name, max_model_len=e.max_model_len, threads=e.threads,
+                                 dev_mode=True, log_path=log_path)
+
+    def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
+        from openforge.vllm_engine import reload_weights
+
+        reload_weights(self.engine.url, checkpoint)
+        return checkpoint
+
+
+def publish(control: ControlAPI, policy: Policy, checkpoint: Path, version: int, out: Path,
+            pause_timeout: float) -> tuple[Path, float]:
+    """New calls wait in the proxy while the engine takes the weights; they go on, stamped `version`, after.
+    (served path, seconds the proxy was paused). The proxy stays paused if publishing fails: nothing reaches
+    an engine in an unknown state."""
+    started = time.monotonic()
+    control.pause(pause_timeout)
+    served = policy.publish(checkpoint, version, out)
+    control.resume(version)
+    return served, time.monotonic() - started

@@ -1,0 +1,162 @@
+"""`openforge rl`: its config, GRPO groups within one policy version, and a real run on the embedded engine
+that is interrupted (Ctrl-C) mid-way and resumed: nothing left running, no episode or sample counted twice.
+
+The uninterrupted short run, with its files and the notebook over them, is tests/test_demo_e2e.py (the
+demo is the loop).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from openforge.reconstruct import store
+from openforge.reconstruct.rewards import advantage_sql
+from openforge.rl.config import load_rl_config
+from openforge.rl.loop import rerun
+from openforge.rollout.spec import Adapter, EpisodeSpec, Task
+from openforge.trainer.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+SHORT = ["--iterations", "2", "--attempts", "2", "--steps", "1", "--set", "rollout.max_tasks=2",
+         "--set", "train.step_tokens=1024", "--set", "train.row_tokens=1024", "--set", "engine.threads=1"]
+
+
+# --- config ------------------------------------------------------------------------------------------------
+
+def test_config_defaults_file_sets_and_flags_in_that_order(tmp_path: Path) -> None:
+    cfg = load_rl_config()
+    assert (cfg.engine.backend, cfg.loop.iterations, cfg.rollout.toolchains, cfg.train["steps"]) == \
+        ("llamacpp", 3, ["tool-agent"], 2)
+    assert cfg.train["min_lr_ratio"] == 1.0  # constant lr: a cosine schedule would restart every iteration
+    path = tmp_path / "rl.toml"
+    path.write_text('[loop]\niterations = 5\nwindow = 2\n[rollout]\ntoolchains = ["codex", "tool-agent"]\n'
+                    '[train]\nlr = 3e-6\nkl_coef = 0.01\n')
+    cfg = load_rl_config(path, {"loop.iterations": "7", "rollout.toolchains": "claude-code,codex"})
+    assert (cfg.loop.iterations, cfg.loop.window, cfg.rollout.toolchains) == (7, 2, ["claude-code", "codex"])
+    assert cfg.train["lr"] == 3e-6 and cfg.train_config("db", "m", "o").kl_coef == 0.01
+    saved = tmp_path / "saved.toml"
+    saved.write_text(cfg.to_toml())
+    assert load_rl_config(saved) == cfg  # what --resume reads back
+
+
+@pytest.mark.parametrize(("text", "sets", "message"), [
+    ("[engines]\nbackend = 'vllm'\n", {}, "unknown section(s) engines"),
+    ("[loop]\niteration = 2\n", {}, "unknown setting loop.iteration"),
+    ("", {"loop.iterations": "0"}, "loop.iterations must be >= 1"),
+    ("", {"loop.iterations": "two"}, "loop.iterations: cannot read 'two' as int"),
+    ("", {"engine.backend": "sglang"}, "engine.backend must be llamacpp or vllm"),
+    ("", {"train.db": "other.duckdb"}, "[train] may not set db, model, out, where"),
+    ("", {"train.lr": "-1"}, "lr must be finite and > 0"),
+    ("", {"train.warp": "9"}, "unknown config key(s): warp"),
+    ("", {"iterations": "2"}, "--set expects section.key=value"),
+    ("[loop\n", {}, "cannot read config"),
+])
+def test_config_errors_name_the_setting(tmp_path: Path, text: str, sets: dict[str, str], message: str) -> None:
+    path = tmp_path / "rl.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_rl_config(path, sets)
+    assert message in str(e.value)
+
+
+# --- advantages within a policy version --------------------------------------------------------------------
+
+def test_grpo_groups_never_mix_policy_versions(tmp_path: Path) -> None:
+    """Attempts at one task by policy 0 (rewards 0, 1) and policy 1 (rewards 1, 1): each group is normalised
+    on its own, so policy 1's equal rewards get advantage 0, not the positive one a mixed group gives."""
+    con = store.connect(tmp_path / "db.duckdb")
+    episodes = [("a0", 0, 0.0), ("b0", 0, 1.0), ("a1", 1, 1.0), ("b1", 1, 1.0)]
+    for ep, version, reward in episodes:
+        con.execute("INSERT INTO episodes (episode_id, task_id, n_calls, n_samples, reward, weight) "
+                    "VALUES (?, 't', 1, 1, ?, 1.0)", [ep, reward])
+        con.execute("INSERT INTO calls (call_id, file_id, episode_id, protocol, streamed, token_source, "
+                    "policy_version) VALUES (?, 'f', ?, 'chat', false, 'engine', ?)", [f"c-{ep}", ep, version])
+    con.execute(advantage_sql("grpo"))
+    adv = dict(con.execute("SELECT episode_id, advantage FROM episodes").fetchall())
+    con.close()
+    assert adv["a1"] == adv["b1"] == 0.0
+    assert adv["a0"] < 0 < adv["b0"]
+
+
+# --- resume ------------------------------------------------------------------------------------------------
+
+def test_a_rerun_episode_gets_a_new_id_and_directories(tmp_path: Path) -> None:
+    spec = EpisodeSpec(run_id="r", episode="r-t-tool-agent-1", task=Task("t", "p", "true"),
+                       adapter=Adapter("tool-agent", ("true",)), attempt=1, proxy_url="http://127.0.0.1:1",
+                       out_dir=str(tmp_path / "episodes/r-t-tool-agent-1"), workdir="w", home="h")
+    assert rerun(spec, 0) is spec
+    again = rerun(spec, 2)
+    assert again.episode == "r-t-tool-agent-1-r2" and again.base_url.endswith("/e/r-t-tool-agent-1-r2")
+    assert Path(again.out_dir) == tmp_path / "episodes/r-t-tool-agent-1-r2"
+    assert Path(again.workdir).parent == Path(again.out_dir) == Path(again.home).parent
+
+
+def children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(x) for x in (task / "children").read_text().split()}
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ctrl_c_mid_rollout_stops_everything_and_resume_counts_each_episode_once(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")},
+           "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+    command = [sys.executable, "-m", "openforge.cli", "rl", "--out", str(out), *SHORT]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    # Ctrl-C once the first episode of iteration 1 has finished and others have started
+    episodes = out / "iterations" / "000" / "rollout" / "episodes"
+    deadline = time.monotonic() + 600
+    while not list(episodes.glob("*/result.json")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    kids = children(proc.pid)
+    assert len(kids) >= 3, kids  # engine, proxy, episodes
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output
+    assert "interrupted" in output and "--resume" in output and "Traceback" not in output, output
+    time.sleep(1)
+    assert not [k for k in kids if alive(k)], output  # engine, proxy and every episode stopped
+    assert json.loads((out / "state.json").read_text())["iteration"] == 0
+
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", "rl", "--out", str(out), "--resume"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [json.loads(x) for x in (out / "rl.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [0, 1] and [x["policy_version"] for x in lines] == [0, 1]
+    assert all(x["episodes"] == 4 for x in lines)  # 2 tasks x 2 attempts, each counted once
+    state = json.loads((out / "state.json").read_text())
+    assert (state["iteration"], state["version"], state["resumes"]) == (2, 2, 1)
+
+    con = duckdb.connect(str(out / "rl.duckdb"), read_only=True)
+    per_iteration = con.execute("SELECT iteration, count(*), count(DISTINCT episode_id), count(DISTINCT "
+                                "task_id || '/' || attempt) FROM rl_episodes GROUP BY 1 ORDER BY 1").fetchall()
+    assert per_iteration == [(0, 4, 4, 4), (1, 4, 4, 4)]
+    trained = con.execute("SELECT r.iteration, s.policy_version, count(*) FROM samples s JOIN rl_episodes r "
+                          "USING (episode_id) WHERE s.n_trainable > 0 GROUP BY 1, 2 ORDER BY 1").fetchall()
+    con.close()
+    assert [(i, v) for i, v, _ in trained] == [(0, 0), (1, 1)]  # each iteration's samples, its policy's
+    assert [n for _, _, n in trained] == [x["samples"] for x in lines]
+    steps = [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # one step per iteration, the optimizer state carried on
+    assert [p.name for p in (out / "train" / "checkpoints").iterdir()] == ["step_000002"]
+    assert [p.name for p in (out / "gguf").iterdir()] == ["policy-0002.gguf"]
