@@ -68,6 +68,6 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
         assert all(lp <= 0 for m, lp in zip(mask, logprobs) if m and not math.isnan(lp))
         assert reward is not None and advantage is not None and source in ("engine", "mixed", "retokenized")
 
-    from tests.test_notebooks import execute_rl_notebook
+    from tests.support.notebooks import execute_rl_notebook
 
     execute_rl_notebook(out)
