@@ -7,21 +7,26 @@ demo is the loop).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pytest
+from rich.console import Console
 
 from openforge.reconstruct import store
 from openforge.reconstruct.rewards import advantage_sql
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import rerun
+from openforge.rl.loop import STAGES, RLError, RLRun, rerun
 from openforge.rollout.spec import Adapter, EpisodeSpec, Task
 from openforge.trainer.config import ConfigError
 
@@ -98,6 +103,67 @@ def test_a_rerun_episode_gets_a_new_id_and_directories(tmp_path: Path) -> None:
     assert again.episode == "r-t-tool-agent-1-r2" and again.base_url.endswith("/e/r-t-tool-agent-1-r2")
     assert Path(again.out_dir) == tmp_path / "episodes/r-t-tool-agent-1-r2"
     assert Path(again.workdir).parent == Path(again.out_dir) == Path(again.home).parent
+
+
+class Scripted(RLRun):
+    """The loop's stage machine with stages that only log themselves (no engine, proxy or model); `stop_at`
+    raises KeyboardInterrupt in that (iteration, stage), as a Ctrl-C there would."""
+
+    def __init__(self, out: Path, log: list[tuple[int, str]], stop_at: tuple[int, str] | None = None,
+                 resume: bool = False) -> None:
+        super().__init__(load_rl_config(sets={"loop.iterations": "3"}), out, Console(file=io.StringIO()), resume)
+        self.log, self.stop_at = log, stop_at
+        for stage in STAGES[:-1]:
+            setattr(self, stage, lambda i, stage=stage: self.step(i, stage))
+
+    def step(self, i: int, stage: str) -> None:
+        if (i, stage) == self.stop_at:
+            raise KeyboardInterrupt
+        self.log.append((i, stage))
+        if stage == "publish":
+            self.state.version = i + 1
+
+    @contextlib.contextmanager
+    def services(self) -> Iterator[None]:
+        yield
+
+    def summary_line(self, i: int) -> dict[str, Any]:
+        return {"iteration": i, "policy_version": i, "reward_mean": None, "pass_at_k": None, "samples": 0,
+                "attempts": 4, "toolchains": {}}
+
+
+@pytest.mark.parametrize("stop_at", [(0, "rollout"), (1, "train"), (1, "publish"), (2, "reconstruct")])
+def test_resume_runs_each_stage_of_each_iteration_once(tmp_path: Path, stop_at: tuple[int, str]) -> None:
+    log: list[tuple[int, str]] = []
+    with pytest.raises(KeyboardInterrupt):
+        Scripted(tmp_path / "run", log, stop_at).run()
+    Scripted(tmp_path / "run", log, resume=True).run()
+    assert log == [(i, stage) for i in range(3) for stage in STAGES[:-1]]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "rl.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [0, 1, 2]
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert (state["iteration"], state["stage"], state["version"], state["resumes"]) == (3, "rollout", 3, 1)
+
+
+def test_an_interruption_after_the_line_was_written_does_not_write_it_twice(tmp_path: Path) -> None:
+    log: list[tuple[int, str]] = []
+    Scripted(tmp_path / "run", log).run()
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    (tmp_path / "run" / "state.json").write_text(json.dumps(state | {"iteration": 2, "stage": "record"}))
+    Scripted(tmp_path / "run", log, resume=True).run()  # killed between the line and the state's save
+    lines = [json.loads(x) for x in (tmp_path / "run" / "rl.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [0, 1, 2] and len(log) == 12
+
+
+def test_a_finished_run_resumes_for_more_iterations_and_a_used_directory_is_refused(tmp_path: Path) -> None:
+    log: list[tuple[int, str]] = []
+    Scripted(tmp_path / "run", log).run()
+    with pytest.raises(RLError, match="holds a run already"):
+        Scripted(tmp_path / "run", log)
+    more = Scripted(tmp_path / "run", log, resume=True)
+    more.cfg.loop.iterations = 4
+    more.run()
+    assert log[-4:] == [(3, stage) for stage in STAGES[:-1]]
 
 
 def children(pid: int) -> set[int]:

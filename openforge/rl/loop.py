@@ -41,7 +41,7 @@ from openforge.rl.services import ControlAPI, LlamaCppPolicy, Policy, ProxyProce
 from openforge.rl.services import publish as publish_weights
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec, Task
 
-STAGES = ("rollout", "reconstruct", "train", "publish")
+STAGES = ("rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
 STATE_VERSION = 1
 METRIC_MEANS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "is_ratio_mean", "is_truncated_frac",
                 "grad_norm", "engine_gap_mean", "engine_logprob_share", "tokens_per_s")
@@ -76,7 +76,10 @@ class State:
             data = json.loads(path.read_text())
             if data.get("format") != STATE_VERSION:
                 raise ValueError(f"state format {data.get('format')!r}, this OpenForge reads {STATE_VERSION}")
-            return cls(**data)
+            state = cls(**data)
+            if state.stage not in STAGES:
+                raise ValueError(f"unknown stage {state.stage!r}")
+            return state
         except (OSError, ValueError, TypeError) as e:
             raise RLError(f"cannot resume from {path}: {e}") from None
 
@@ -225,16 +228,16 @@ class RLRun:
     def iteration(self) -> None:
         i, s = self.state.iteration, self.state
         if s.stage == "rollout":
-            keep_lines_before(self.out / "rl.jsonl", i)
             s.seconds, s.train_start_step, s.checkpoint = {}, -1, ""
         self.console.rule(f"iteration {i + 1}/{self.cfg.loop.iterations} (policy version {s.version})")
-        for stage in STAGES[STAGES.index(s.stage):]:
+        for stage in STAGES[STAGES.index(s.stage):-1]:
             started = time.monotonic()
             getattr(self, stage)(i)
             s.seconds[stage] = round(s.seconds.get(stage, 0.0) + time.monotonic() - started, 3)
-            s.stage = STAGES[(STAGES.index(stage) + 1) % len(STAGES)]
+            s.stage = STAGES[STAGES.index(stage) + 1]
             s.save(self.state_path)
         line = self.summary_line(i)
+        keep_lines_before(self.out / "rl.jsonl", i)  # a line an interruption left after it was written
         with (self.out / "rl.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
         s.iteration, s.stage = i + 1, "rollout"
