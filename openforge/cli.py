@@ -5,7 +5,20 @@ from __future__ import annotations
 import typer
 
 from openforge import __version__
-from openforge.commands import demo, engine, flows, preflight, proxy, reconstruct, replay, rl, rollout, stats, train
+from openforge.commands import (
+    demo,
+    engine,
+    export,
+    flows,
+    preflight,
+    proxy,
+    reconstruct,
+    replay,
+    rl,
+    rollout,
+    stats,
+    train,
+)
 
 app = typer.Typer(
     help=(
@@ -33,7 +46,7 @@ def main(version: bool = typer.Option(False, "--version", callback=_print_versio
     pass
 
 
-for module in (proxy, preflight, flows, reconstruct, stats, train, engine, replay, rollout, rl, demo):
+for module in (proxy, preflight, flows, reconstruct, stats, export, train, engine, replay, rollout, rl, demo):
     module.register(app)
 
 

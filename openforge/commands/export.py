@@ -1,0 +1,56 @@
+"""`openforge export`: the selected samples in the input shape of veRL, slime or TRL, or as flat parquet."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+import typer
+
+from openforge.commands import fail
+
+
+class Format(StrEnum):
+    """openforge.export.FORMATS."""
+
+    parquet = "parquet"
+    verl = "verl"
+    slime = "slime"
+    trl = "trl"
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="export")(export_command)
+
+
+def export_command(
+    db: Path = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`."),
+    fmt: Format = typer.Option(..., "--format", help="parquet (our columns), verl, slime or trl."),
+    out: Path = typer.Option(..., "--out",
+                             help="Output file (parquet, verl, trl) or directory of {k}.pt files (slime)."),
+    where: str = typer.Option("", "--where", help="SQL filter on the samples table, e.g. \"reward > 0\"."),
+) -> None:
+    """Write the samples with trainable tokens (and --where) for a distributed trainer; docs/export.md maps
+    every column."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from openforge.export import ExportError, export
+
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("Exporting samples"), BarColumn(), MofNCompleteColumn(), console=console,
+                   transient=True)
+    task = bar.add_task("export", total=None)
+
+    def progress(done: int, total: int) -> None:
+        bar.start()  # on the first batch: an input error is then one line, with no bar before it
+        bar.update(task, completed=done, total=total)
+
+    try:
+        n = export(db, fmt.value, out, where, progress=progress)
+    except ExportError as e:
+        fail(str(e))
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+    console.print(f"{n} samples -> {out} ({fmt.value})")

@@ -1,0 +1,243 @@
+"""Selected samples out of DuckDB in the input shapes of distributed trainers (veRL, slime, TRL) or as our own
+flat parquet (docs/export.md maps every column). Rows stream from DuckDB in Arrow record batches, so an export
+holds one batch (slime: one output file) in memory, never the table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+FORMATS = ("parquet", "verl", "slime", "trl")
+BATCH_ROWS = 256  # rows per Arrow record batch fetched from DuckDB
+SLIME_FILE_ROWS = 256  # samples per slime rollout file (whole groups: a file may hold more)
+
+Row = dict[str, Any]
+Progress = Callable[[int, int], None]
+
+
+class ExportError(ValueError):
+    """The export cannot be written as asked; the message says what to change."""
+
+
+def selection_sql(where: str, group_by: str) -> str:
+    """The selected samples in group order, each with its GRPO group as reconstruct/rewards.py advantage_sql
+    forms it: the task (no task: the run), and the toolchain under `task-toolchain`, within the episode's
+    policy version (the lowest of its calls)."""
+    selected = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
+    group = ("coalesce('task:' || s.task_id, 'run:' || coalesce(s.run_id, ''))"
+             + (" || '/' || coalesce(e.toolchain, '')" if group_by == "task-toolchain" else "")
+             + " || '@v' || coalesce(CAST(v.policy_version AS VARCHAR), '?')")
+    return f"""
+    WITH s AS (SELECT * FROM samples WHERE {selected}),
+    g AS (
+        SELECT s.*, {group} AS group_id
+        FROM s LEFT JOIN episodes e USING (episode_id)
+        LEFT JOIN (SELECT episode_id, min(policy_version) AS policy_version FROM calls GROUP BY episode_id) v
+            USING (episode_id)
+    )
+    SELECT sample_id, episode_id, run_id, task_id, role, toolchain, policy_version, token_source, tokenizer,
+           vocab_size, n_tokens, n_trainable, n_calls, reward, advantage, weight, group_id,
+           CAST(dense_rank() OVER (ORDER BY group_id) - 1 AS BIGINT) AS group_index,
+           CAST(dense_rank() OVER (ORDER BY group_id, episode_id) - 1 AS BIGINT) AS episode_index,
+           input_ids, loss_mask, behaviour_logprobs
+    FROM g ORDER BY group_id, episode_id, sample_id
+    """
+
+
+def spans(mask: list[int]) -> tuple[list[int], list[int]]:
+    """Where each run of trainable tokens starts and ends (end exclusive): the turn boundaries of a chain."""
+    starts, ends = [], []
+    for i, m in enumerate(mask):
+        if m and (i == 0 or not mask[i - 1]):
+            starts.append(i)
+        if m and (i + 1 == len(mask) or not mask[i + 1]):
+            ends.append(i + 1)
+    return starts, ends
+
+
+def split(row: Row) -> tuple[int, list[int], list[float] | None]:
+    """The response start (first trainable token), the response's mask and its logprobs with 0.0 where the
+    mask is 0, as veRL, slime and TRL pad tool and environment tokens."""
+    mask = row["loss_mask"]
+    start = mask.index(1)
+    lps = row["behaviour_logprobs"]
+    response_lps = None if lps is None else [lp if m else 0.0 for lp, m in zip(lps[start:], mask[start:])]
+    return start, mask[start:], response_lps
+
+
+def parquet_row(row: Row) -> Row:
+    """Our own columns, flat; logprobs keep NaN where the mask is 0."""
+    starts, ends = spans(row["loss_mask"])
+    return {**{k: v for k, v in row.items() if k != "episode_index"}, "span_starts": starts, "span_ends": ends}
+
+
+def verl_row(row: Row) -> Row:
+    """One unpadded row of veRL's rollout batch (DataProto batch/non_tensor_batch keys, agent_loop.py)."""
+    start, response_mask, lps = split(row)
+    ids = row["input_ids"]
+    n = len(ids) - start
+    starts, ends = spans(row["loss_mask"])
+    return {
+        "uid": row["group_id"], "prompts": ids[:start], "responses": ids[start:], "input_ids": ids,
+        "attention_mask": [1] * len(ids), "position_ids": list(range(len(ids))), "response_mask": response_mask,
+        "rollout_log_probs": lps,
+        "token_level_rewards": [0.0] * (n - 1) + [row["reward"]] if row["reward"] is not None else None,
+        "advantages": None if row["advantage"] is None else [row["advantage"] * m for m in response_mask],
+        "__num_turns__": len(starts), "span_starts": starts, "span_ends": ends,
+        "sample_id": row["sample_id"], "episode_id": row["episode_id"], "reward": row["reward"],
+        "advantage": row["advantage"], "weight": row["weight"], "policy_version": row["policy_version"],
+    }
+
+
+def trl_row(row: Row) -> Row:
+    """SFTTrainer's pre-tokenized columns (input_ids, assistant_masks) and GRPOTrainer's rollout_func keys
+    (prompt_ids, completion_ids, logprobs, env_mask) with its per-sequence advantages."""
+    start, completion_mask, lps = split(row)
+    ids = row["input_ids"]
+    starts, ends = spans(row["loss_mask"])
+    return {
+        "input_ids": ids, "assistant_masks": row["loss_mask"], "prompt_ids": ids[:start],
+        "completion_ids": ids[start:], "logprobs": lps, "env_mask": completion_mask,
+        "advantages": row["advantage"], "reward": row["reward"], "group_id": row["group_id"],
+        "span_starts": starts, "span_ends": ends, "sample_id": row["sample_id"], "episode_id": row["episode_id"],
+        "weight": row["weight"], "policy_version": row["policy_version"],
+    }
+
+
+def slime_sample(row: Row, index: int) -> Row:
+    """`slime.utils.types.Sample.to_dict()` of one sample: what Sample.from_dict reads back."""
+    start, loss_mask, lps = split(row)
+    starts, ends = spans(row["loss_mask"])
+    return {
+        "group_index": row["group_index"], "index": index, "rollout_id": row["episode_index"],
+        "tokens": row["input_ids"], "response_length": len(loss_mask), "loss_mask": loss_mask,
+        "rollout_log_probs": lps, "reward": row["reward"], "status": "completed",
+        "metadata": {"advantage": row["advantage"], "weight": row["weight"], "group_id": row["group_id"],
+                     "sample_id": row["sample_id"], "episode_id": row["episode_id"],
+                     "policy_version": row["policy_version"], "span_starts": starts, "span_ends": ends},
+    }
+
+
+FLOATS = pa.list_(pa.float32())
+IDS = pa.list_(pa.int32())
+MASK = pa.list_(pa.uint8())
+EXTRA = [("sample_id", pa.string()), ("episode_id", pa.string()), ("weight", pa.float64()),
+         ("policy_version", pa.int64())]
+SPANS = [("span_starts", IDS), ("span_ends", IDS)]
+SCHEMAS = {
+    "parquet": pa.schema([
+        ("sample_id", pa.string()), ("episode_id", pa.string()), ("run_id", pa.string()), ("task_id", pa.string()),
+        ("role", pa.string()), ("toolchain", pa.string()), ("policy_version", pa.int64()),
+        ("token_source", pa.string()), ("tokenizer", pa.string()), ("vocab_size", pa.int32()),
+        ("n_tokens", pa.int32()), ("n_trainable", pa.int32()), ("n_calls", pa.int32()), ("reward", pa.float64()),
+        ("advantage", pa.float64()), ("weight", pa.float64()), ("group_id", pa.string()),
+        ("group_index", pa.int64()), ("input_ids", IDS), ("loss_mask", MASK), ("behaviour_logprobs", FLOATS),
+        *SPANS]),
+    "verl": pa.schema([
+        ("uid", pa.string()), ("prompts", IDS), ("responses", IDS), ("input_ids", IDS), ("attention_mask", MASK),
+        ("position_ids", IDS), ("response_mask", MASK), ("rollout_log_probs", FLOATS),
+        ("token_level_rewards", FLOATS), ("advantages", FLOATS), ("__num_turns__", pa.int32()), *SPANS,
+        ("reward", pa.float64()), ("advantage", pa.float64()), *EXTRA]),
+    "trl": pa.schema([
+        ("input_ids", IDS), ("assistant_masks", MASK), ("prompt_ids", IDS), ("completion_ids", IDS),
+        ("logprobs", FLOATS), ("env_mask", MASK), ("advantages", pa.float64()), ("reward", pa.float64()),
+        ("group_id", pa.string()), *SPANS, *EXTRA]),
+}
+ROWS = {"parquet": parquet_row, "verl": verl_row, "trl": trl_row}
+
+
+def first_line(e: Exception) -> str:
+    """DuckDB's message without the query excerpt it appends on later lines."""
+    return str(e).strip().splitlines()[0]
+
+
+def open_selection(db: Path, where: str) -> tuple[duckdb.DuckDBPyConnection, str, int]:
+    """A read-only connection, the selection's SQL and its row count; refuses what cannot be exported."""
+    if not db.is_file():
+        raise ExportError(f"no database at {db}")
+    try:
+        con = duckdb.connect(str(db), read_only=True)
+    except duckdb.Error as e:
+        raise ExportError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
+    try:
+        meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
+        sql = selection_sql(where, meta.get("group_by", "task"))
+        (n,) = con.execute(f"SELECT count(*) FROM ({sql})").fetchall()[0]
+    except duckdb.Error as e:
+        con.close()
+        raise ExportError(f"selection failed: {first_line(e)} (--where is SQL on the samples table)") from None
+    if n == 0:
+        con.close()
+        raise ExportError(f"no samples selected (n_trainable > 0{f' AND ({where})' if where.strip() else ''})")
+    return con, sql, n
+
+
+def rows(con: duckdb.DuckDBPyConnection, sql: str) -> Iterator[list[Row]]:
+    """The selection, one Arrow record batch at a time, as Python rows."""
+    reader = con.sql(sql).to_arrow_reader(BATCH_ROWS)
+    for batch in reader:
+        yield batch.to_pylist()
+
+
+def write_table(batches: Iterator[list[Row]], fmt: str, out: Path, progress: Progress, n: int) -> None:
+    """One parquet file in the format's schema, a row group per batch."""
+    convert, schema = ROWS[fmt], SCHEMAS[fmt]
+    done = 0
+    with pq.ParquetWriter(out, schema) as writer:
+        for batch in batches:
+            writer.write_table(pa.Table.from_pylist([convert(r) for r in batch], schema=schema))
+            done += len(batch)
+            progress(done, n)
+
+
+def write_slime(batches: Iterator[list[Row]], out: Path, progress: Progress, n: int) -> None:
+    """`OUT/{k}.pt` files of whole groups, each `{"rollout_id": k, "samples": [Sample.to_dict(), ...]}`: the
+    dump slime's `--load-debug-rollout-data OUT/{rollout_id}.pt` reads (rollout_data_utils.py)."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    pending: list[Row] = []
+    k = done = 0
+
+    def flush() -> None:
+        nonlocal k, pending
+        torch.save({"rollout_id": k, "samples": pending}, out / f"{k}.pt")
+        k, pending = k + 1, []
+
+    for batch in batches:
+        for row in batch:
+            if len(pending) >= SLIME_FILE_ROWS and pending[-1]["group_index"] != row["group_index"]:
+                flush()
+            pending.append(slime_sample(row, done))
+            done += 1
+        progress(done, n)
+    if pending:
+        flush()
+
+
+def export(db: Path, fmt: str, out: Path, where: str = "", progress: Progress = lambda done, total: None) -> int:
+    """Write the selected samples (n_trainable > 0 and `where`) to `out` in `fmt`; returns the sample count."""
+    if fmt not in FORMATS:
+        raise ExportError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    con, sql, n = open_selection(db, where)
+    try:
+        target = out if fmt == "slime" else out.parent
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ExportError(f"cannot write {out}: {e}") from None
+        try:
+            if fmt == "slime":
+                write_slime(rows(con, sql), out, progress, n)
+            else:
+                write_table(rows(con, sql), fmt, out, progress, n)
+        except OSError as e:
+            raise ExportError(f"cannot write {out}: {e}") from None
+    finally:
+        con.close()
+    return n

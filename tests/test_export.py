@@ -1,0 +1,200 @@
+"""`openforge export` on what the real reconstructor writes: each format read back (pyarrow for the parquet
+formats, torch.load + slime's Sample field names for slime: neither veRL, slime nor TRL installs here) and
+compared with the samples table token by token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from openforge.cli import app
+from openforge.commands.export import Format
+from openforge.export import FORMATS, SLIME_FILE_ROWS, export
+from openforge.reconstruct import reconstruct
+from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer, trainable_segments
+
+# slime.utils.types.Sample's dataclass fields (THUDM/slime, slime/utils/types.py): Sample.from_dict passes
+# these to the constructor and sets any other key as an attribute
+SLIME_FIELDS = {
+    "group_index", "index", "rollout_id", "prompt", "tokens", "multimodal_inputs", "multimodal_train_inputs",
+    "multimodal_train_input_id", "apply_chat_template_kwargs", "response", "response_length", "label", "reward",
+    "loss_mask", "weight_versions", "rollout_log_probs", "rollout_top_p_token_ids", "rollout_top_p_token_offsets",
+    "rollout_routed_experts", "remove_sample", "teacher_log_probs", "status", "metadata", "generate_function_path",
+    "custom_rm_path", "train_metadata", "session_id", "spec_info", "prefix_cache_info",
+}
+SLIME_STATUSES = {"pending", "completed", "truncated", "aborted", "failed"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """Two policy versions of one task, a multi-turn episode, a streamed one, a retokenised one (no logprobs)
+    and one without a task; returns the database and every engine completion written."""
+    tmp = tmp_path_factory.mktemp("export")
+    flows = FlowFactory(tmp / "flows", seed=5)
+    plan = [  # episode, policy version, turns, reward, task, engine ids
+        ("ep0", 0, 2, 1.0, "fix", True), ("ep1", 0, 1, 0.0, "fix", True), ("ep2", 0, 0, 0.5, "fix", True),
+        ("ep3", 1, 1, 1.0, "fix", True), ("ep4", 1, 0, 0.0, "fix", True), ("ep5", 1, 1, 0.3, None, False),
+    ]
+    for episode, version, turns, reward, task, engine_ids in plan:
+        flows.policy_version = version
+        flows.tool_loop(episode, turns=turns, stream=episode == "ep3", engine_ids=engine_ids)
+        flows.write(flows.reward(episode, reward, task))
+    flows.close()
+    db = tmp / "runs.duckdb"
+    reconstruct([tmp / "flows"], db, qwen_retokenizer(), run="r1")
+    return db, flows.completions
+
+
+def expected(db: Path, where: str = "true") -> dict[str, dict[str, Any]]:
+    """The selected samples, with each one's GRPO group computed apart from the exporter: task (or run) and
+    the episode's lowest call policy version."""
+    rows = db_rows(db, f"""
+        SELECT s.*, (SELECT min(policy_version) FROM calls c WHERE c.episode_id = s.episode_id) AS episode_version
+        FROM samples s WHERE n_trainable > 0 AND ({where})""")
+    for r in rows:
+        r["group"] = (r["task_id"] or "run:" + r["run_id"], r["episode_version"])
+    return {r["sample_id"]: r for r in rows}
+
+
+def same_floats(got: list[float] | None, want: list[float] | None) -> bool:
+    if want is None:
+        return got is None
+    return np.array_equal(np.array(got, np.float32), np.array(want, np.float32), equal_nan=True)
+
+
+def check_groups(got: dict[str, Any], want: dict[str, dict[str, Any]]) -> None:
+    """Two samples share an exported group id exactly when they share a task (or run) and policy version."""
+    pairs = [(a, b) for a in want for b in want]
+    assert all((got[a] == got[b]) == (want[a]["group"] == want[b]["group"]) for a, b in pairs)
+
+
+def test_parquet_holds_our_columns(built: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
+    db, completions = built
+    want = expected(db)
+    assert export(db, "parquet", tmp_path / "out.parquet") == len(want)
+    rows = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert sorted(r["sample_id"] for r in rows) == sorted(want)
+    for r in rows:
+        w = want[r["sample_id"]]
+        assert r["input_ids"] == w["input_ids"] and r["loss_mask"] == w["loss_mask"]
+        assert same_floats(r["behaviour_logprobs"], w["behaviour_logprobs"])
+        assert (r["reward"], r["advantage"], r["weight"], r["policy_version"]) == (
+            w["reward"], w["advantage"], w["weight"], w["policy_version"])
+        spans = [r["input_ids"][a:b] for a, b in zip(r["span_starts"], r["span_ends"])]
+        assert spans == trainable_segments(w["input_ids"], w["loss_mask"])
+        assert all(s in completions for s in spans)  # each span is one engine completion: a turn
+    check_groups({r["sample_id"]: r["group_id"] for r in rows}, want)
+    assert {len(r["span_starts"]) for r in rows} >= {1, 3}  # the 2-tool-call episode has three turns
+    assert any(r["behaviour_logprobs"] is None for r in rows)  # the retokenised episode
+    # groups are contiguous and numbered in order
+    indices = [r["group_index"] for r in rows]
+    assert indices == sorted(indices) and set(indices) == set(range(len(set(indices))))
+
+
+def test_verl_rows_are_its_rollout_batch_keys(built: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
+    db, _ = built
+    want = expected(db)
+    export(db, "verl", tmp_path / "verl.parquet")
+    rows = pq.read_table(tmp_path / "verl.parquet").to_pylist()
+    assert len(rows) == len(want)
+    for r in rows:
+        w = want[r["sample_id"]]
+        start = w["loss_mask"].index(1)
+        assert r["prompts"] + r["responses"] == r["input_ids"] == w["input_ids"]
+        assert len(r["prompts"]) == start and r["response_mask"] == w["loss_mask"][start:]
+        n = len(r["input_ids"])
+        assert r["attention_mask"] == [1] * n and r["position_ids"] == list(range(n))
+        lps = w["behaviour_logprobs"]
+        assert same_floats(r["rollout_log_probs"], None if lps is None else
+                           [lp if m else 0.0 for lp, m in zip(lps[start:], w["loss_mask"][start:])])
+        assert same_floats(r["token_level_rewards"], [0.0] * (len(r["responses"]) - 1) + [w["reward"]])  # float32
+        assert same_floats(r["advantages"], [w["advantage"] * m for m in r["response_mask"]])
+        assert r["__num_turns__"] == len(trainable_segments(w["input_ids"], w["loss_mask"]))
+    check_groups({r["sample_id"]: r["uid"] for r in rows}, want)
+
+
+def test_trl_rows_are_sft_and_rollout_func_columns(built: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
+    db, _ = built
+    want = expected(db, "reward > 0")
+    assert export(db, "trl", tmp_path / "trl.parquet", where="reward > 0") == len(want)
+    rows = pq.read_table(tmp_path / "trl.parquet").to_pylist()
+    assert sorted(r["sample_id"] for r in rows) == sorted(want)
+    for r in rows:
+        w = want[r["sample_id"]]
+        start = len(r["prompt_ids"])
+        assert r["input_ids"] == w["input_ids"] == r["prompt_ids"] + r["completion_ids"]
+        assert r["assistant_masks"] == w["loss_mask"] and r["env_mask"] == w["loss_mask"][start:]
+        assert w["loss_mask"][start - 1] == 0 and w["loss_mask"][start] == 1
+        lps = w["behaviour_logprobs"]
+        assert same_floats(r["logprobs"], None if lps is None else
+                           [lp if m else 0.0 for lp, m in zip(lps[start:], r["env_mask"])])
+        assert (r["advantages"], r["reward"]) == (w["advantage"], w["reward"])
+    check_groups({r["sample_id"]: r["group_id"] for r in rows}, want)
+
+
+def test_slime_files_are_sample_dicts(built: tuple[Path, list[list[int]]], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    db, _ = built
+    want = expected(db)
+    monkeypatch.setattr("openforge.export.SLIME_FILE_ROWS", 2)  # several files, none splitting a group
+    export(db, "slime", tmp_path / "slime")
+    files = sorted((tmp_path / "slime").glob("*.pt"), key=lambda p: int(p.stem))
+    assert len(files) > 1 and SLIME_FILE_ROWS > 2
+    samples, group_of_file = [], {}
+    for k, path in enumerate(files):
+        blob = torch.load(path, weights_only=False)
+        assert blob["rollout_id"] == k and path.name == f"{k}.pt"
+        for s in blob["samples"]:
+            assert s["group_index"] not in group_of_file or group_of_file[s["group_index"]] == k
+            group_of_file[s["group_index"]] = k
+        samples += blob["samples"]
+    assert [s["index"] for s in samples] == list(range(len(want)))
+    for s in samples:
+        assert set(s) <= SLIME_FIELDS and s["status"] in SLIME_STATUSES
+        w = want[s["metadata"]["sample_id"]]
+        n = s["response_length"]
+        assert s["tokens"] == w["input_ids"] and len(s["loss_mask"]) == n and s["loss_mask"] == w["loss_mask"][-n:]
+        assert w["loss_mask"][: len(w["loss_mask"]) - n].count(1) == 0 and s["loss_mask"][0] == 1
+        lps = w["behaviour_logprobs"]
+        assert same_floats(s["rollout_log_probs"], None if lps is None else
+                           [lp if m else 0.0 for lp, m in zip(lps[-n:], s["loss_mask"])])
+        assert (s["reward"], s["metadata"]["advantage"]) == (w["reward"], w["advantage"])
+        episode_ids = {x["metadata"]["episode_id"] for x in samples if x["rollout_id"] == s["rollout_id"]}
+        assert episode_ids == {w["episode_id"]}
+    check_groups({s["metadata"]["sample_id"]: s["group_index"] for s in samples}, want)
+
+
+def test_format_choices_are_the_exporters() -> None:
+    assert tuple(Format) == FORMATS
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["export", *args])
+    return result.exit_code, result.stderr
+
+
+def test_cli_writes_and_refuses_bad_input(built: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
+    db, _ = built
+    code, _ = run_cli("--db", str(db), "--format", "trl", "--out", str(tmp_path / "a" / "t.parquet"))
+    assert code == 0 and pq.read_table(tmp_path / "a" / "t.parquet").num_rows == len(expected(db))
+    (tmp_path / "file").write_text("")
+    bad = {
+        "no database": ["--db", str(tmp_path / "none.duckdb"), "--format", "parquet", "--out", str(tmp_path / "x")],
+        "bad where": ["--db", str(db), "--format", "parquet", "--out", str(tmp_path / "x"), "--where", "nope >"],
+        "no rows": ["--db", str(db), "--format", "verl", "--out", str(tmp_path / "x"), "--where", "reward > 9"],
+        "unwritable": ["--db", str(db), "--format", "slime", "--out", str(tmp_path / "file" / "slime")],
+        "unwritable file": ["--db", str(db), "--format", "parquet", "--out", str(tmp_path / "file" / "o.parquet")],
+    }
+    for case, args in bad.items():
+        code, err = run_cli(*args)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (case, err)
+        assert "Traceback" not in err
+    code, err = run_cli("--db", str(db), "--format", "csv", "--out", str(tmp_path / "x"))
+    assert code == 2 and "csv" in err and "Traceback" not in err
