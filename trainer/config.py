@@ -35,6 +35,8 @@ class TrainConfig:
     step_tokens: int = 65536          # global batch: samples are taken until their tokens reach this
     row_tokens: int = 4096            # one packed row = one forward/backward; longest sample allowed
     packing: bool = True              # False: one sample per row, padded to the row's longest (baseline)
+    tree: bool = False                # an episode's samples as one token tree, shared prefixes computed once
+                                      # (tree attention mask, positions by depth; docs/trainer.md "Tree mode")
 
     # --- objective
     objective: str = "ppo"            # ppo (GRPO/PPO clipped surrogate) | sft

@@ -1,7 +1,8 @@
 """Samples from DuckDB, streamed in record batches and grouped into global batches by token count.
 
 One pass ("epoch") reads `samples` in a deterministic order (a seeded hash of sample_id, or sample_id
-itself), so every rank sees the same global batches and a run resumes from (epoch, offset) exactly.
+itself; in tree mode a seeded hash of episode_id, then sample_id, so an episode's samples are read together),
+so every rank sees the same global batches and a run resumes from (epoch, offset) exactly.
 Only one global batch of rows is ever held in memory.
 """
 
@@ -48,13 +49,13 @@ class Position:
 class SampleSource:
     """The selected samples of one DuckDB file (read-only: several ranks may open it at once)."""
 
-    def __init__(self, db: str, where: str = "", shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, db: str, where: str = "", shuffle: bool = True, seed: int = 0, tree: bool = False) -> None:
         try:
             self.con = duckdb.connect(db, read_only=True)
         except duckdb.Error as e:
             raise DataError(f"cannot open DuckDB file {db}: {e}") from None
         self.filter = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed, self.tree = shuffle, seed, tree
 
     def __enter__(self) -> SampleSource:
         return self
@@ -67,6 +68,9 @@ class SampleSource:
         self.con.close()
 
     def _order(self, epoch: int) -> str:
+        if self.tree:  # episodes together: a global batch holds whole trees where the token budget allows
+            return f"hash(episode_id || ':{self.seed}:{epoch}'), episode_id, sample_id" if self.shuffle \
+                else "episode_id, sample_id"
         if not self.shuffle:
             return "sample_id"
         return f"hash(sample_id || ':{self.seed}:{epoch}'), sample_id"

@@ -3,6 +3,8 @@
 Convention: logits at position i-1 predict input_ids[i]; `behaviour` at i is the engine's logprob of
 input_ids[i]; loss_mask[i] marks input_ids[i] as a trainable target. Each function returns the row's share
 of the global-batch loss (sum of coef * per-token loss) and a dict of *sums* so rows and ranks add up.
+Tree rows (`row.parent` set, see trainer/tree.py) differ only in who predicts: the logits at parent[i]
+predict input_ids[i], and one position may predict several targets.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ def logit_positions(row: Row) -> torch.Tensor:
     The model projects only these onto the vocabulary (`logits_to_keep`): prompts and tool outputs, most
     of an agent trace, never become [tokens, vocab] logits. At least one, so an empty row still backprops.
     """
-    positions = row.loss_mask[:, 1:].any(0).nonzero().squeeze(-1)
+    if row.parent is not None:
+        positions = row.parent[row.loss_mask].unique()  # sorted
+    else:
+        positions = row.loss_mask[:, 1:].any(0).nonzero().squeeze(-1)
     return positions if positions.numel() else torch.zeros(1, dtype=torch.long, device=positions.device)
 
 
@@ -28,6 +33,8 @@ def target_logprobs(logits: torch.Tensor, row: Row, positions: torch.Tensor) -> 
 
     `logits` [B, len(positions), vocab] are the model's logits at `positions` (see `logit_positions`).
     """
+    if row.parent is not None:
+        return tree_target_logprobs(logits, row, positions)
     sel = row.loss_mask[:, 1:][:, positions]
     logp_all = logits[sel].float().log_softmax(-1)
     logp = logp_all.gather(-1, row.input_ids[:, 1:][:, positions][sel][:, None]).squeeze(-1)
@@ -36,8 +43,21 @@ def target_logprobs(logits: torch.Tensor, row: Row, positions: torch.Tensor) -> 
     return logp, entropy
 
 
+def tree_target_logprobs(logits: torch.Tensor, row: Row, positions: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_logprobs` of a tree row [1, T]: each target reads its parent's log-softmax, in row order."""
+    at = torch.searchsorted(positions, row.parent[row.loss_mask])
+    logp_all = logits[0].float().log_softmax(-1)  # [len(positions), vocab]: once per position, shared by children
+    logp = logp_all[at, row.input_ids[row.loss_mask]]
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)[at]
+    return logp, entropy
+
+
 def targets(t: torch.Tensor, row: Row) -> torch.Tensor:
     """A per-position tensor of the row restricted to the trainable targets (same order as logp)."""
+    if row.parent is not None:
+        return t[row.loss_mask]
     return t[:, 1:][row.loss_mask[:, 1:]]
 
 

@@ -12,12 +12,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from openforge.trainer.data import DataError
 
 
-def load_model(path: str, device: torch.device, grad_checkpointing: bool = False) -> torch.nn.Module:
-    """fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast/FSDP."""
+def load_model(path: str, device: torch.device, grad_checkpointing: bool = False, tree: bool = False
+               ) -> torch.nn.Module:
+    """fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast/FSDP.
+
+    Tree mode passes a [B, 1, T, T] boolean mask: sdpa takes it as is (flash-attention takes none)."""
     if not (Path(path) / "config.json").is_file():
         raise DataError(f"--model {path} is not a Hugging Face model directory (no config.json)")
     attn = "sdpa"
-    if device.type == "cuda":
+    if device.type == "cuda" and not tree:
         try:
             import flash_attn  # noqa: F401  (variable-length kernels for packed rows)
             attn = "flash_attention_2"

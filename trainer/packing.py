@@ -24,18 +24,23 @@ from openforge.trainer.data import Sample
 class Row:
     input_ids: torch.Tensor        # long [B, T]
     position_ids: torch.Tensor     # long [B, T]
-    attention_mask: torch.Tensor | None  # long [B, T] for padded rows; None for packed (positions say it)
+    attention_mask: torch.Tensor | None  # long [B, T] for padded rows; None for packed (positions say it);
+                                         # bool [1, 1, T, T] for tree rows (True: the key is self or an ancestor)
     loss_mask: torch.Tensor        # bool [B, T]
     behaviour: torch.Tensor        # float [B, T]; the engine's logprob, 0 where unknown
     has_behaviour: torch.Tensor    # bool [B, T]; True on trainable tokens the engine gave a logprob for
     advantage: torch.Tensor        # float [B, T]; the sample's advantage on each of its tokens
     coef: torch.Tensor             # float [B, T]; aggregation weight of each trainable token
-    n_real: int                    # tokens that belong to samples (the rest is padding)
+    n_real: int                    # tokens of samples the row trains (padding excluded; a tree row counts a
+                                   # shared node once per sample through it)
+    parent: torch.Tensor | None = None  # long [1, T], tree rows only: the position whose logits predict each
+                                        # token (-1 for a root); chain rows: position i-1 predicts i
 
     def to(self, device: torch.device) -> Row:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Row(move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.loss_mask),
-                   move(self.behaviour), move(self.has_behaviour), move(self.advantage), move(self.coef), self.n_real)
+                   move(self.behaviour), move(self.has_behaviour), move(self.advantage), move(self.coef), self.n_real,
+                   move(self.parent))
 
 
 def coefficients(batch: list[Sample], aggregation: str) -> dict[str, float]:
@@ -54,15 +59,22 @@ def coefficients(batch: list[Sample], aggregation: str) -> dict[str, float]:
     return {s.sample_id: s.weight / (n[s.sample_id] * total_weight) for s in batch}
 
 
-def rank_share(batch: list[Sample], rank: int, world_size: int) -> list[Sample]:
-    """This rank's disjoint share: longest first, each to the rank with the fewest tokens so far."""
+def rank_share(batch: list[Sample], rank: int, world_size: int, by_episode: bool = False) -> list[Sample]:
+    """This rank's disjoint share: longest first, each to the rank with the fewest tokens so far.
+
+    by_episode (tree mode): whole episodes are dealt out, so the samples sharing prefixes stay together.
+    """
+    groups: dict[str, list[Sample]] = {}
+    for s in batch:
+        groups.setdefault(s.episode_id if by_episode else s.sample_id, []).append(s)
+    size = {k: sum(len(s) for s in g) for k, g in groups.items()}
     load = [0] * world_size
     mine = []
-    for s in sorted(batch, key=lambda s: (-len(s), s.sample_id)):
+    for key in sorted(groups, key=lambda k: (-size[k], k)):
         r = min(range(world_size), key=lambda i: (load[i], i))
-        load[r] += len(s)
+        load[r] += size[key]
         if r == rank:
-            mine.append(s)
+            mine += groups[key]
     return mine
 
 

@@ -24,6 +24,7 @@ from openforge.trainer.data import DataError, Position, Sample, SampleSource, co
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
 from openforge.trainer.model import check_vocab, load_model, shard_model
 from openforge.trainer.packing import Row, coefficients, make_row, plan_rows, rank_share
+from openforge.trainer.tree import tree_rows
 
 
 def logits_at(model: torch.nn.Module, row: Row, positions: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     master = rank == 0
 
     # --- data, model, optimizer (and, with --resume, where the last run stopped)
-    source = SampleSource(cfg.db, cfg.where, cfg.shuffle, cfg.seed)
+    source = SampleSource(cfg.db, cfg.where, cfg.shuffle, cfg.seed, cfg.tree)
     found = checkpoint.latest(cfg.out, say if master else lambda _: None) if resume else None
     if resume and found is None and master:
         say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
@@ -82,10 +83,10 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     n_samples = source.check(cfg.row_tokens, check_vocab(model_dir, source.vocab_sizes()),
                              needs_logprobs=ppo and not recompute, needs_advantage=ppo,
                              needs_weight=cfg.aggregation == "episode-mean")
-    model = load_model(model_dir, device, cfg.grad_checkpointing)
+    model = load_model(model_dir, device, cfg.grad_checkpointing, cfg.tree)
     ref = None
     if cfg.kl_coef > 0:
-        ref = load_model(cfg.ref_model or cfg.model, device).eval().requires_grad_(False)
+        ref = load_model(cfg.ref_model or cfg.model, device, tree=cfg.tree).eval().requires_grad_(False)
     if world_size > 1:
         shard_model(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
@@ -111,9 +112,9 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             # --- one optimizer step on one global batch
             t0 = time.perf_counter()
             coef = coefficients(batch, cfg.aggregation)
-            mine = plan_rows(rank_share(batch, rank, world_size), cfg.row_tokens, cfg.packing)
+            mine = rows_of(rank_share(batch, rank, world_size, by_episode=cfg.tree), coef, cfg)
             n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
-            rows = [make_row(mine[i] if i < len(mine) else [], coef, cfg.packing).to(device) for i in range(n_rows)]
+            rows = [(mine[i] if i < len(mine) else make_row([], coef, cfg.packing)).to(device) for i in range(n_rows)]
             old = [old_logprobs(model, row) if recompute else None for row in rows]  # before any update
             sums, is_max = Counter(), 0.0
             for row, old_logp in zip(rows, old):
@@ -144,6 +145,13 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     if world_size > 1:
         dist.destroy_process_group()
     return final
+
+
+def rows_of(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig) -> list[Row]:
+    """This rank's rows: packed (or padded) samples, or in tree mode their token tree."""
+    if cfg.tree:
+        return tree_rows(samples, coef, cfg.row_tokens)
+    return [make_row(group, coef, cfg.packing) for group in plan_rows(samples, cfg.row_tokens, cfg.packing)]
 
 
 def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -199,7 +207,8 @@ def step_metrics(step: int, position: Position, batch: list[Sample], sums: Count
         "is_ratio_max": s["is_ratio_max"], "is_truncated_frac": s["is_truncated"] / n, "grad_norm": grad_norm,
         "engine_logprob_share": s["engine_tokens"] / n, "engine_gap_mean": s["engine_gap_sum"] / engine,
         "samples": len(batch), "tokens": int(s["tokens"]), "trainable_tokens": int(s["trainable"]),
-        "real_token_share": s["tokens"] / max(s["computed"], 1.0), "tokens_per_s": s["tokens"] / seconds,
+        "real_token_share": s["tokens"] / max(s["computed"], 1.0), "computed_tokens": int(s["computed"]),
+        "tokens_per_s": s["tokens"] / seconds,
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,
         "advantage_mean": advantages.mean().item(),
         "advantage_std": advantages.std().item() if len(batch) > 1 else 0.0,
