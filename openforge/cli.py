@@ -25,7 +25,8 @@ app = typer.Typer(
         "OpenForge: record what real agent toolchains send to your RL inference engine, turn it into "
         "token-exact training samples, and train on them.\n\n"
         "Pipeline: `openforge proxy` (mitmdump -s addons/openforge.py) -> flow files -> "
-        "`openforge reconstruct` -> DuckDB -> `openforge train`."
+        "`openforge reconstruct` -> DuckDB -> `openforge train`; `openforge rl` runs it as the RL loop "
+        "(rollouts, reconstruct, train, new weights into the engine, again)."
     ),
     no_args_is_help=True,
     add_completion=False,
