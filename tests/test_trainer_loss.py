@@ -85,7 +85,7 @@ def test_masked_tokens_get_no_gradient(model):
     logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits.detach()
     logits.requires_grad_()
     positions = logit_positions(row)
-    logp, _ = target_logprobs(logits[:, positions], row, positions)
+    logp, _ = target_logprobs(logits[:, positions], torch.nn.Identity(), row, positions)
     (logp.sum()).backward()
     predicts_masked = ~torch.from_numpy(base.loss_mask[1:])
     assert logits.grad[0, :-1][predicts_masked].abs().max() == 0
@@ -101,7 +101,7 @@ def test_importance_ratio_is_exactly_one_when_behaviour_equals_current(model):
         positions = logit_positions(row)
         logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False,
                        logits_to_keep=positions).logits
-        logp, _ = target_logprobs(logits, row, positions)
+        logp, _ = target_logprobs(logits, torch.nn.Identity(), row, positions)
     # write the model's own logprobs where the engine's would be, as float32 like the samples column
     start = 0
     for s in batch:

@@ -58,6 +58,8 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    logit_chunk: int = 1024           # trainable positions projected onto the vocabulary at a time, each
+                                      # chunk recomputed in backward; 0 = all at once (more memory)
 
     # --- bookkeeping
     save_every: int = 0               # steps between checkpoints; 0 = only at the end
@@ -106,6 +108,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.999]"),
     "grad_clip": (lambda v: v > 0, "finite and > 0"),
     "save_every": (lambda v: v >= 0, ">= 0 (0 = only at the end)"),
+    "logit_chunk": (lambda v: v >= 0, ">= 0 (0 = all positions at once)"),
 }
 
 

@@ -9,7 +9,10 @@ predict input_ids[i], and one position may predict several targets.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.packing import Row
@@ -28,30 +31,50 @@ def logit_positions(row: Row) -> torch.Tensor:
     return positions if positions.numel() else torch.zeros(1, dtype=torch.long, device=positions.device)
 
 
-def target_logprobs(logits: torch.Tensor, row: Row, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], row: Row,
+                    positions: torch.Tensor, chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the trainable targets (with grad) and the policy's entropy there (without).
 
-    `logits` [B, len(positions), vocab] are the model's logits at `positions` (see `logit_positions`).
+    `hidden` [B, len(positions), H] are the model's final hidden states at `positions` (see
+    `logit_positions`), `head` projects them onto the vocabulary; `chunk` positions at a time (0: all).
     """
-    if row.parent is not None:
-        return tree_target_logprobs(logits, row, positions)
+    if row.parent is not None:  # tree row: the targets' parents, once per position (shared by children)
+        at = torch.searchsorted(positions, row.parent[row.loss_mask])
+        return chunked_logprobs(hidden[0], head, at, row.input_ids[row.loss_mask], chunk)
     sel = row.loss_mask[:, 1:][:, positions]
-    logp_all = logits[sel].float().log_softmax(-1)
-    logp = logp_all.gather(-1, row.input_ids[:, 1:][:, positions][sel][:, None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    at = sel.flatten().nonzero().squeeze(-1)
+    tokens = row.input_ids[:, 1:][:, positions][sel]
+    return chunked_logprobs(hidden.flatten(0, 1), head, at, tokens, chunk)
 
 
-def tree_target_logprobs(logits: torch.Tensor, row: Row, positions: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`target_logprobs` of a tree row [1, T]: each target reads its parent's log-softmax, in row order."""
-    at = torch.searchsorted(positions, row.parent[row.loss_mask])
-    logp_all = logits[0].float().log_softmax(-1)  # [len(positions), vocab]: once per position, shared by children
-    logp = logp_all[at, row.input_ids[row.loss_mask]]
+def chunked_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], at: torch.Tensor,
+                     tokens: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(head(hidden[at[j]]))[tokens[j]] and the entropy there, for every target j.
+
+    [positions, vocab] fp32 logits are the largest tensors of a step (0.8 GB for 4096 positions of a
+    49k vocabulary, several copies with log_softmax, exp and autograd's saves): with `chunk` > 0 one chunk
+    of them exists at a time, and under grad each chunk is checkpointed, so backward recomputes its logits
+    instead of keeping them. Every position of `hidden` is projected, so an empty row still reaches the head.
+    """
+    step, checkpointed = chunk or len(hidden), chunk > 0 and torch.is_grad_enabled()
+    pieces, order = [], []
+    for start in range(0, len(hidden), step):
+        mine = ((at >= start) & (at < start + step)).nonzero().squeeze(-1)
+        args = (hidden[start:start + step], head, at[mine] - start, tokens[mine])
+        pieces.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if checkpointed else chunk_logprobs(*args))
+        order.append(mine)
+    logp, entropy = (torch.cat(t) for t in zip(*pieces))
+    back = torch.argsort(torch.cat(order))  # chunk order -> target order (tree targets are not sorted by parent)
+    return logp[back], entropy[back]
+
+
+def chunk_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], at: torch.Tensor,
+                   tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_logprobs` of one chunk (`at` indexes the chunk's positions)."""
+    logp_all = head(hidden).float().log_softmax(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)[at]
-    return logp, entropy
+    return logp_all[at, tokens], entropy
 
 
 def targets(t: torch.Tensor, row: Row) -> torch.Tensor:
@@ -107,21 +130,20 @@ def sft_loss(logp: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, dict
                   "is_truncated": 0.0, "clipped": 0.0}
 
 
-def row_loss(logits: torch.Tensor, row: Row, positions: torch.Tensor, cfg: TrainConfig,
-             ref_logits: torch.Tensor | None = None, old_logp: torch.Tensor | None = None
+def row_loss(logp: torch.Tensor, entropy: torch.Tensor, row: Row, cfg: TrainConfig,
+             ref_logp: torch.Tensor | None = None, old_logp: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, dict[str, float]]:
     """The chosen objective on one row, plus token, entropy and engine-gap sums for the step's metrics.
 
+    `logp`, `entropy`, `ref_logp`: from `target_logprobs` (the policy, and the reference model without grad);
     `old_logp`: the old policy's logprobs of the row's trainable targets; None = the engine's (old_policy
     = engine).
     """
-    logp, entropy = target_logprobs(logits, row, positions)
     coef = targets(row.coef, row)
     behaviour, has_behaviour = targets(row.behaviour, row), targets(row.has_behaviour, row)
     if cfg.objective == "sft":
         loss, stats = sft_loss(logp, coef)
     else:
-        ref_logp = target_logprobs(ref_logits, row, positions)[0] if ref_logits is not None else None
         old = old_logp if old_logp is not None else behaviour
         loss, stats = ppo_loss(logp, old, behaviour, has_behaviour, targets(row.advantage, row), coef, cfg, ref_logp)
     gap = (logp.detach() - behaviour)[has_behaviour].abs()  # trainer vs engine, before this step's update

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from openforge.trainer.data import DataError
 
@@ -29,7 +30,10 @@ def load_model(path: str, device: torch.device, grad_checkpointing: bool = False
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     model.config.use_cache = False
     if grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        for layer in model.modules():  # transformers checkpoints a block only in training mode: the block's own
+            if isinstance(layer, GradientCheckpointingLayer):  # flag, its submodules (dropout) stay in eval mode
+                layer.training = True
     return model.to(device)
 
 

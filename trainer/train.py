@@ -27,31 +27,37 @@ from openforge.trainer.packing import Row, coefficients, make_row, plan_rows, ra
 from openforge.trainer.tree import tree_rows
 
 
-def logits_at(model: torch.nn.Module, row: Row, positions: torch.Tensor) -> torch.Tensor:
-    """The model's logits at `positions` of the row (bf16 autocast on CUDA)."""
+def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's log-probs of the row's trainable targets and its entropy there (`target_logprobs`), bf16
+    autocast on CUDA.
+
+    The whole model runs (FSDP2 gathers the root's parameters in its forward) but projects nothing onto the
+    vocabulary: its final hidden states go to the LM head `chunk` positions at a time.
+    """
+    positions = logit_positions(row)
     autocast = torch.autocast("cuda", torch.bfloat16) if row.input_ids.is_cuda else contextlib.nullcontext()
     with autocast:
         # use_cache=False matters: with a cache, transformers ignores restarting position ids (no packing mask)
-        return model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
-                     use_cache=False, logits_to_keep=positions).logits
+        out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+                    use_cache=False, output_hidden_states=True, logits_to_keep=positions[:0])
+        hidden = out.hidden_states[-1][:, positions]  # the last one is after the final norm
+        return target_logprobs(hidden, model.get_output_embeddings(), row, positions, chunk)
 
 
 def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.nn.Module | None = None,
                  old_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One forward pass of a row and its loss (the reference model runs without grad); `old_logp` from
     `old_logprobs`, or None to use the engine's logprobs as the old policy."""
-    positions = logit_positions(row)
-    logits = logits_at(model, row, positions)
+    logp, entropy = policy_logprobs(model, row, cfg.logit_chunk)
     with torch.no_grad():
-        ref_logits = logits_at(ref, row, positions) if ref is not None else None
-    return row_loss(logits, row, positions, cfg, ref_logits, old_logp)
+        ref_logp = policy_logprobs(ref, row, cfg.logit_chunk)[0] if ref is not None else None
+    return row_loss(logp, entropy, row, cfg, ref_logp, old_logp)
 
 
 @torch.no_grad()
-def old_logprobs(model: torch.nn.Module, row: Row) -> torch.Tensor:
+def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logit_chunk) -> torch.Tensor:
     """PPO's old policy: the model's logprobs of the row's trainable targets before this step's update."""
-    positions = logit_positions(row)
-    return target_logprobs(logits_at(model, row, positions), row, positions)[0]
+    return policy_logprobs(model, row, chunk)[0]
 
 
 def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print,
@@ -115,7 +121,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             mine = rows_of(rank_share(batch, rank, world_size, by_episode=cfg.tree), coef, cfg)
             n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
             rows = [(mine[i] if i < len(mine) else make_row([], coef, cfg.packing)).to(device) for i in range(n_rows)]
-            old = [old_logprobs(model, row) if recompute else None for row in rows]  # before any update
+            old = [old_logprobs(model, row, cfg.logit_chunk) if recompute else None for row in rows]  # before updating
             sums, is_max = Counter(), 0.0
             for row, old_logp in zip(rows, old):
                 loss, stats = forward_loss(model, row, cfg, ref, old_logp)

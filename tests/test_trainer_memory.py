@@ -1,0 +1,146 @@
+"""Memory options compute what the plain path computes: log-probs projected `logit_chunk` positions at a time
+(each chunk recomputed in backward) and activation checkpointing give the same loss, metrics and gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from openforge.trainer.config import ConfigError, TrainConfig
+from openforge.trainer.data import Sample
+from openforge.trainer.loss import logit_positions, target_logprobs
+from openforge.trainer.model import load_model
+from openforge.trainer.packing import coefficients, make_row, plan_rows
+from openforge.trainer.train import forward_loss, old_logprobs
+from openforge.trainer.tree import tree_rows
+from tests.support.trainer_samples import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 96
+
+
+def sample(i: int, ids: np.ndarray, start: int, seed: int = 0) -> Sample:
+    """Tokens from `start` on trainable, with engine-like logprobs there."""
+    mask = np.arange(len(ids)) >= start
+    rng = np.random.default_rng(seed * 100 + i)
+    return Sample(f"s{i:02d}", f"e{i % 2}", np.asarray(ids, dtype=np.int64), mask,
+                  np.where(mask, -rng.uniform(0.5, 6, len(ids)), np.nan).astype(np.float32), float(rng.normal()),
+                  1.0, float(rng.uniform(0.2, 1.0)))
+
+
+def batch() -> list[Sample]:
+    """Chains of several lengths, and a retry and a fork sharing their prefixes (a tree of 4 leaves)."""
+    rng = np.random.default_rng(0)
+    trunk = rng.integers(0, VOCAB, 30)
+    samples = [sample(i, rng.integers(0, VOCAB, n), n // 3) for i, n in enumerate([41, 17, 58, 9])]
+    samples += [sample(4 + i, np.concatenate([trunk[:cut], rng.integers(0, VOCAB, extra)]), cut - 5)
+                for i, (cut, extra) in enumerate([(30, 12), (30, 20), (22, 15), (12, 3)])]
+    return samples
+
+
+def rows_of(kind: str, samples: list[Sample], cfg: TrainConfig) -> list:
+    coef = coefficients(samples, cfg.aggregation)
+    if kind == "tree":
+        return tree_rows(samples, coef, 64)
+    packing = kind == "packed"
+    return [make_row(g, coef, packing) for g in plan_rows(samples, 64, packing)]
+
+
+def run_step(model, rows, cfg: TrainConfig, ref=None):
+    """A trainer step's rows: old policy first (no grad, ppo), then forward/backward; loss, stat sums, grads."""
+    model.zero_grad()
+    old = [old_logprobs(model, row, cfg.logit_chunk) if cfg.objective == "ppo" else None for row in rows]
+    total, sums = 0.0, {}
+    for row, old_logp in zip(rows, old):
+        loss, stats = forward_loss(model, row, cfg, ref, old_logp)
+        loss.backward()
+        total += loss.item()
+        for k, v in stats.items():
+            sums[k] = max(sums.get(k, v), v) if k == "is_ratio_max" else sums.get(k, 0.0) + v
+    return total, sums, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_step(a, b) -> None:
+    (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = a, b
+    assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+    assert stats_a.keys() == stats_b.keys()
+    for key in stats_a:
+        assert stats_a[key] == pytest.approx(stats_b[key], rel=1e-5, abs=1e-6), key
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def tiny_llama(seed: int = 0):
+    """A 2-layer Llama with an untied LM head (SmolLM2's architecture family)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        tie_word_embeddings=False)).eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"qwen3": (tiny_model(VOCAB, hidden=32), tiny_model(VOCAB, hidden=32, seed=1).requires_grad_(False)),
+            "llama": (tiny_llama(), tiny_llama(seed=1).requires_grad_(False))}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["packed", "padded", "tree"])
+@pytest.mark.parametrize("objective, kl_coef", [("ppo", 0.0), ("ppo", 0.3), ("sft", 0.0)])
+def test_chunked_logprobs_equal_all_at_once(models, arch, kind, objective, kl_coef):
+    model, ref = models[arch]
+    samples = batch()
+    base = TrainConfig(objective=objective, kl_coef=kl_coef, aggregation="episode-mean", logit_chunk=0)
+    rows = rows_of(kind, samples, base)
+    assert max(len(logit_positions(r)) for r in rows) > 7  # several chunks, the last one partial
+    ref = ref if kl_coef else None
+    whole = run_step(model, rows, base, ref)
+    assert whole[1]["trainable"] == sum(int(s.loss_mask[1:].sum()) for s in samples)
+    for chunk in (1, 7, 4096):
+        assert_same_step(run_step(model, rows, dataclasses.replace(base, logit_chunk=chunk), ref), whole)
+
+
+def test_one_chunk_of_logits_at_a_time_recomputed_in_backward(models):
+    """The head sees at most `chunk` positions per call, and backward projects each chunk once more
+    (its logits were not kept)."""
+    model = models["qwen3"][0]
+    samples = batch()
+    row = rows_of("packed", samples, TrainConfig())[0]
+    positions = logit_positions(row)
+    with torch.no_grad():
+        hidden = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False,
+                       output_hidden_states=True).hidden_states[-1][:, positions]
+    hidden.requires_grad_()
+    head, seen = model.get_output_embeddings(), []
+    handle = head.register_forward_hook(lambda _m, args, _out: seen.append(len(args[0])))
+    try:
+        logp, _ = target_logprobs(hidden, head, row, positions, chunk=7)
+        chunks = -(-len(positions) // 7)
+        assert max(seen) == 7 and len(seen) == chunks
+        logp.sum().backward()
+        assert len(seen) == 2 * chunks
+    finally:
+        handle.remove()
+
+
+def test_grad_checkpointing_recomputes_blocks_and_gives_the_same_step(tiny_qwen_dir):
+    cfg = TrainConfig(kl_coef=0.0)
+    samples = batch()
+    rows = rows_of("packed", samples, cfg)
+    plain = load_model(str(tiny_qwen_dir), torch.device("cpu"))
+    checkpointed = load_model(str(tiny_qwen_dir), torch.device("cpu"), grad_checkpointing=True)
+    calls = []
+    checkpointed.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+    assert_same_step(run_step(checkpointed, rows, cfg), run_step(plain, rows, cfg))
+    assert len(calls) == 2 * len(rows) + len(rows)  # old policy (no grad): once; with grad: forward + recompute
+
+
+def test_logit_chunk_must_not_be_negative():
+    with pytest.raises(ConfigError, match="logit_chunk must be >= 0"):
+        TrainConfig(logit_chunk=-1).validate()
