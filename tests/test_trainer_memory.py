@@ -14,9 +14,9 @@ from openforge.trainer.data import Sample
 from openforge.trainer.loss import logit_positions, target_logprobs
 from openforge.trainer.model import load_model
 from openforge.trainer.packing import coefficients, make_row, plan_rows
-from openforge.trainer.train import forward_loss, old_logprobs
 from openforge.trainer.tree import tree_rows
 from tests.support.trainer_samples import tiny_model
+from tests.support.trainer_tree import run_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,20 +48,6 @@ def rows_of(kind: str, samples: list[Sample], cfg: TrainConfig) -> list:
         return tree_rows(samples, coef, 64)
     packing = kind == "packed"
     return [make_row(g, coef, packing) for g in plan_rows(samples, 64, packing)]
-
-
-def run_step(model, rows, cfg: TrainConfig, ref=None):
-    """A trainer step's rows: old policy first (no grad, ppo), then forward/backward; loss, stat sums, grads."""
-    model.zero_grad()
-    old = [old_logprobs(model, row, cfg.logit_chunk) if cfg.objective == "ppo" else None for row in rows]
-    total, sums = 0.0, {}
-    for row, old_logp in zip(rows, old):
-        loss, stats = forward_loss(model, row, cfg, ref, old_logp)
-        loss.backward()
-        total += loss.item()
-        for k, v in stats.items():
-            sums[k] = max(sums.get(k, v), v) if k == "is_ratio_max" else sums.get(k, 0.0) + v
-    return total, sums, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def assert_same_step(a, b) -> None:
@@ -100,10 +86,10 @@ def test_chunked_logprobs_equal_all_at_once(models, arch, kind, objective, kl_co
     rows = rows_of(kind, samples, base)
     assert max(len(logit_positions(r)) for r in rows) > 7  # several chunks, the last one partial
     ref = ref if kl_coef else None
-    whole = run_step(model, rows, base, ref)
+    whole = run_rows(model, rows, base, ref)
     assert whole[1]["trainable"] == sum(int(s.loss_mask[1:].sum()) for s in samples)
     for chunk in (1, 7, 4096):
-        assert_same_step(run_step(model, rows, dataclasses.replace(base, logit_chunk=chunk), ref), whole)
+        assert_same_step(run_rows(model, rows, dataclasses.replace(base, logit_chunk=chunk), ref), whole)
 
 
 def test_one_chunk_of_logits_at_a_time_recomputed_in_backward(models):
@@ -137,7 +123,7 @@ def test_grad_checkpointing_recomputes_blocks_and_gives_the_same_step(tiny_qwen_
     checkpointed = load_model(str(tiny_qwen_dir), torch.device("cpu"), grad_checkpointing=True)
     calls = []
     checkpointed.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
-    assert_same_step(run_step(checkpointed, rows, cfg), run_step(plain, rows, cfg))
+    assert_same_step(run_rows(checkpointed, rows, cfg), run_rows(plain, rows, cfg))
     assert len(calls) == 2 * len(rows) + len(rows)  # old policy (no grad): once; with grad: forward + recompute
 
 

@@ -18,9 +18,9 @@ from openforge.trainer.tree import tree_rows
 
 
 def run_rows(model, rows, cfg: TrainConfig, ref=None):
-    """A trainer step's rows: old policy first (no grad), then forward/backward; loss, stat sums, grads."""
+    """A trainer step's rows: old policy first (no grad, ppo), then forward/backward; loss, stat sums, grads."""
     model.zero_grad()
-    old = [old_logprobs(model, row) for row in rows]
+    old = [old_logprobs(model, row, cfg.logit_chunk) if cfg.objective == "ppo" else None for row in rows]
     total, sums = 0.0, {}
     for row, old_logp in zip(rows, old):
         loss, stats = forward_loss(model, row, cfg, ref, old_logp)
