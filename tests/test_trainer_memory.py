@@ -16,7 +16,7 @@ from openforge.trainer.model import load_model
 from openforge.trainer.packing import coefficients, make_row, plan_rows
 from openforge.trainer.tree import tree_rows
 from tests.support.trainer_samples import tiny_model
-from tests.support.trainer_tree import run_rows
+from tests.support.trainer_tree import assert_same_step, run_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,16 +48,6 @@ def rows_of(kind: str, samples: list[Sample], cfg: TrainConfig) -> list:
         return tree_rows(samples, coef, 64)
     packing = kind == "packed"
     return [make_row(g, coef, packing) for g in plan_rows(samples, 64, packing)]
-
-
-def assert_same_step(a, b) -> None:
-    (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = a, b
-    assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
-    assert stats_a.keys() == stats_b.keys()
-    for key in stats_a:
-        assert stats_a[key] == pytest.approx(stats_b[key], rel=1e-5, abs=1e-6), key
-    for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def tiny_llama(seed: int = 0):

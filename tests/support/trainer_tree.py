@@ -31,19 +31,23 @@ def run_rows(model, rows, cfg: TrainConfig, ref=None):
     return total, sums, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def assert_same_step(a, b) -> None:
+    """Two `run_rows` results: the same loss, every stat and every gradient, within fp32 tolerance."""
+    (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = a, b
+    assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+    assert stats_a.keys() == stats_b.keys()
+    for key in stats_a:
+        assert stats_a[key] == pytest.approx(stats_b[key], rel=1e-5, abs=1e-6), key
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def assert_tree_equals_chains(model, samples: list[Sample], cfg: TrainConfig, row_tokens: int, ref=None):
     """Loss, every stat and every gradient of tree rows == packed chain rows; returns both row lists."""
     coef = coefficients(samples, cfg.aggregation)
     chains = [make_row(g, coef, True) for g in plan_rows(samples, row_tokens, True)]
     trees = tree_rows(samples, coef, row_tokens)
-    loss_c, stats_c, grads_c = run_rows(model, chains, cfg, ref)
-    loss_t, stats_t, grads_t = run_rows(model, trees, cfg, ref)
-    assert loss_t == pytest.approx(loss_c, rel=1e-5, abs=1e-7)
-    assert stats_t.keys() == stats_c.keys()
-    for key in stats_c:
-        assert stats_t[key] == pytest.approx(stats_c[key], rel=1e-5, abs=1e-6), key
-    for name in grads_c:
-        torch.testing.assert_close(grads_t[name], grads_c[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_step(run_rows(model, trees, cfg, ref), run_rows(model, chains, cfg, ref))
     assert sum(r.n_real for r in trees) == sum(r.n_real for r in chains) == sum(len(s) for s in samples)
     assert all(r.input_ids.shape[1] <= row_tokens for r in trees)
     return chains, trees
