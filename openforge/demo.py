@@ -44,12 +44,11 @@ class DemoConfig:
         })
 
 
-def run_demo(cfg: DemoConfig, console: Console) -> tuple[RLRun, list[dict[str, Any]]]:
-    """The loop in `cfg.out` (emptied first: an earlier run's flows would mix in)."""
+def prepare(cfg: DemoConfig, console: Console) -> RLRun:
+    """The loop, to run in `cfg.out` (emptied first: an earlier run's flows would mix in)."""
     if cfg.out.exists():
         shutil.rmtree(cfg.out)
-    run = RLRun(cfg.rl_config(), cfg.out, console)
-    return run, run.run()
+    return RLRun(cfg.rl_config(), cfg.out, console)
 
 
 def summary(run: RLRun, lines: list[dict[str, Any]], console: Console) -> None:

@@ -155,3 +155,19 @@ def test_engine_llamacpp_export_carries_the_template_the_engine_serves(tmp_path)
     assert own and own != CHATML_TOOLS_TEMPLATE
     _export_hf(None, "gguf", tmp_path / "model")
     assert load_directory(tmp_path / "model").chat_template == own
+
+
+def test_one_converted_model_per_gguf_content(tmp_path, monkeypatch) -> None:
+    """The conversion cache is keyed by the file's content: a copy in another checkout or venv (another path,
+    another mtime) shares the entry, a file with other bytes gets its own (CI ran out of disk with one 0.5 GB
+    entry per checkout)."""
+    from openforge.models import cache_dir
+
+    monkeypatch.setenv("OPENFORGE_CACHE", str(tmp_path / "cache"))
+    first, second, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in ((first, b"GGUF same bytes"), (second, b"GGUF same bytes"), (other, b"GGUF other bytes")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, ns=(1, 1))
+    assert cache_dir(first) == cache_dir(second) != cache_dir(other)
+    assert cache_dir(first).parent == tmp_path / "cache" / "gguf"

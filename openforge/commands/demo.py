@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, fail
+from openforge.commands import fail
 
 
 def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 def demo(
@@ -36,9 +31,8 @@ def demo(
     to run next. The same as `openforge rl` with small settings (docs/demo.md, docs/rl.md)."""
     from rich.console import Console
 
-    from openforge.demo import DemoConfig, run_demo, summary
-    from openforge.engine import EngineError
-    from openforge.processes import ChildError
+    from openforge.commands.rl import run_loop
+    from openforge.demo import DemoConfig, prepare, summary
     from openforge.rl.loop import RLError
     from openforge.trainer.config import ConfigError
 
@@ -47,15 +41,8 @@ def demo(
         fail(f"GGUF file not found: {gguf}")
     cfg = DemoConfig(out=out, gguf=gguf, tasks=tasks, attempts=attempts, iterations=iterations, train_steps=steps,
                      step_tokens=step_tokens, lr=lr, threads=threads)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the demo as Ctrl-C does: children first
     try:
-        run, lines = run_demo(cfg, console)
-    except ConfigError as e:
+        run = prepare(cfg, console)
+    except (ConfigError, RLError) as e:
         fail(str(e))
-    except (RLError, EngineError, ChildError) as e:
-        fail(str(e), code=FAILED)
-    except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted[/]: episodes, engine and proxy stopped. Continue with "
-                      f"`openforge rl --out {out} --resume`.")
-        raise typer.Exit(130) from None
-    summary(run, lines, console)
+    summary(run, run_loop(run, console), console)

@@ -5,11 +5,16 @@ from __future__ import annotations
 import signal
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from openforge.commands import FAILED, fail
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from openforge.rl.loop import RLRun
 
 
 class Engine(StrEnum):
@@ -25,6 +30,24 @@ def register(app: typer.Typer) -> None:
 
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
+
+
+def run_loop(run: RLRun, console: Console) -> list[dict[str, Any]]:
+    """`run.run()`, with `kill` stopping it as Ctrl-C does (episodes, engine and proxy first); a failure or an
+    interruption is one message naming the command that continues the run."""
+    from openforge.engine import EngineError
+    from openforge.processes import ChildError
+    from openforge.rl.loop import RLError
+
+    again = f"openforge rl --out {run.out} --resume"
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run.run()
+    except (RLError, EngineError, ChildError) as e:
+        fail(f"{e} (resume with: {again})", code=FAILED)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted[/]: episodes, engine and proxy stopped. Continue with `{again}`.")
+        raise typer.Exit(130) from None
 
 
 def rl(
@@ -62,8 +85,6 @@ def rl(
     Ctrl-C stops every episode, the engine and the proxy; `--resume` continues."""
     from rich.console import Console
 
-    from openforge.engine import EngineError
-    from openforge.processes import ChildError
     from openforge.rl.loop import RLError, RLRun, load, results_table
     from openforge.trainer.config import ConfigError, parse_sets
 
@@ -82,15 +103,7 @@ def rl(
         run = RLRun(cfg, out, console, resume=resume)
     except (ConfigError, RLError) as e:
         fail(str(e))
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the run as Ctrl-C does: children first
-    try:
-        lines = run.run()
-    except (RLError, EngineError, ChildError) as e:
-        fail(f"{e} (resume with: openforge rl --out {out} --resume)", code=FAILED)
-    except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted[/]: episodes, engine and proxy stopped. Continue with "
-                      f"`openforge rl --out {out} --resume`.")
-        raise typer.Exit(130) from None
+    lines = run_loop(run, console)
     console.print(results_table(lines))
     console.print(f"rl.jsonl: {out / 'rl.jsonl'}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
                   f"served now: {run.state.served or run.start_weights}")
