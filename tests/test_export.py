@@ -149,7 +149,7 @@ def test_slime_files_are_sample_dicts(built: tuple[Path, list[list[int]]], tmp_p
     assert len(files) > 1 and SLIME_FILE_ROWS > 2
     samples, group_of_file = [], {}
     for k, path in enumerate(files):
-        blob = torch.load(path, weights_only=False)
+        blob = torch.load(path, weights_only=True)  # plain dicts, lists, strings and numbers
         assert blob["rollout_id"] == k and path.name == f"{k}.pt"
         for s in blob["samples"]:
             assert s["group_index"] not in group_of_file or group_of_file[s["group_index"]] == k
