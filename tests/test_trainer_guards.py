@@ -176,7 +176,7 @@ def two_steps(tmp_path_factory, tiny_qwen_dir, samples) -> tuple[Path, Path]:
 
 
 class RunsCode:
-    """A pickle that creates a directory when loaded the unsafe way (torch.load(weights_only=False))."""
+    """A pickle that creates a directory when loaded the unsafe way (full unpickling, weights_only off)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
