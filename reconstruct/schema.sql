@@ -1,4 +1,4 @@
--- OpenForge DuckDB schema, version 5.
+-- OpenForge DuckDB schema, version 6.
 -- The contract between reconstruct/ (writer) and trainer/ (reader); documented in docs/schema.md.
 -- Every statement is idempotent so opening an existing database re-applies nothing.
 
@@ -6,7 +6,7 @@ CREATE TABLE IF NOT EXISTS meta (
     key   VARCHAR PRIMARY KEY,
     value VARCHAR NOT NULL
 );
-INSERT INTO meta VALUES ('schema_version', '5') ON CONFLICT DO NOTHING;
+INSERT INTO meta VALUES ('schema_version', '6') ON CONFLICT DO NOTHING;
 
 -- One row per flow file already ingested; re-running reconstruct skips what is here.
 CREATE TABLE IF NOT EXISTS ingested_files (
@@ -82,8 +82,34 @@ CREATE TABLE IF NOT EXISTS samples (
     created_at         TIMESTAMP NOT NULL,
     role               VARCHAR,            -- the role of every call on this chain (one tree per role)
     toolchain          VARCHAR,            -- the toolchain of the chain's last call
-    policy_version     BIGINT              -- the lowest policy version of the calls trainable here (of the chain's
+    policy_version     BIGINT,             -- the lowest policy version of the calls trainable here (of the chain's
                                            -- calls when none is); NULL when one of them recorded none
+    n_images           INTEGER NOT NULL DEFAULT 0, -- rows in sample_images
+    processor          JSON                -- the image processor's settings the image grids were computed with
+                                           -- (its to_dict(): class, patch/merge sizes, pixel limits, ...); NULL: no images
+);
+
+-- Each image once, keyed by the sha256 of its bytes (as the client sent them, decoded from base64).
+CREATE TABLE IF NOT EXISTS images (
+    hash   VARCHAR PRIMARY KEY,
+    mime   VARCHAR,
+    data   BLOB NOT NULL,
+    width  INTEGER,                        -- pixels of the original image
+    height INTEGER
+);
+
+-- The images of a sample in sequence order, each with the placeholder tokens it expanded into:
+-- input_ids[token_start : token_start + n_tokens] are the image pad tokens the vision tower's output replaces.
+CREATE TABLE IF NOT EXISTS sample_images (
+    sample_id   VARCHAR NOT NULL,
+    idx         INTEGER NOT NULL,          -- 0-based order of the image in the sample
+    hash        VARCHAR NOT NULL,          -- images.hash
+    token_start INTEGER NOT NULL,          -- index in input_ids of the image's first pad token
+    n_tokens    INTEGER NOT NULL,          -- grid_t * grid_h * grid_w / merge_size^2
+    grid_t      INTEGER NOT NULL,          -- patches after the processor's resize (image_grid_thw)
+    grid_h      INTEGER NOT NULL,
+    grid_w      INTEGER NOT NULL,
+    PRIMARY KEY (sample_id, idx)
 );
 
 -- Records that could not become calls, with the reason (never silently dropped).
