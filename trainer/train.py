@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from openforge.trainer import checkpoint
+from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
@@ -67,6 +68,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     `new_selection` (with `resume`): the selection is not the one the restored checkpoint trained on (the RL
     loop's next iteration), so it starts at its beginning and `steps` (or one pass) count from the restored
     step; the optimizer state carries over."""
+    return_freed_memory()
     # --- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain run is rank 0 of 1
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
