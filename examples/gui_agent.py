@@ -171,16 +171,21 @@ def run_episode(base_url: str, prompt: str, screenshot: bytes, *, protocol: str 
                 max_turns: int = 3, max_tokens: int = 64, timeout: float = 120.0) -> Run:
     """One episode at `base_url` (holding the episode prefix): model turn, clicks, model turn ... until a
     plain answer or `max_turns`; a client error ends it with `error` set."""
-    from anthropic import AnthropicError
-    from openai import OpenAIError
+    errors: tuple[type[Exception], ...]
+    if protocol == "anthropic":  # the `anthropic` package is needed for this protocol only
+        from anthropic import AnthropicError
 
+        drive, errors = run_anthropic, (AnthropicError,)
+    else:
+        from openai import OpenAIError
+
+        drive, errors = run_chat, (OpenAIError,)
     run = Run(Screen(screenshot))
     key = os.environ.get("OPENFORGE_CLIENT_TOKEN", "openforge-demo")  # a proxy with client tokens checks it
-    drive = run_chat if protocol == "chat" else run_anthropic
     try:
         drive(base_url, prompt, run, key=key, model=model, max_turns=max_turns, max_tokens=max_tokens,
               timeout=timeout)
-    except (OpenAIError, AnthropicError) as e:
+    except errors as e:
         run.error = f"{type(e).__name__}: {e}"
     return run
 

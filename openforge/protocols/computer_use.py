@@ -44,13 +44,12 @@ def actions(tool: dict) -> tuple[str, ...]:
 def parameters(tool: dict) -> dict[str, Any]:
     """The JSON schema of the tool's `input`, as Anthropic documents it for the tool's version."""
     acts = actions(tool)
+    held = "; with a click or scroll, the keys held down" if "scroll" in acts else ""
     props: dict[str, Any] = {
         "action": {"type": "string", "enum": list(acts), "description": "The action to perform."},
         "coordinate": _point("where to move, click or scroll (the end point of left_click_drag)"),
-        "text": {"type": "string", "description": "The text to type, or the key or key combination to press "
-                                                  "(xdotool syntax, e.g. \"ctrl+s\")"
-                                                  + ("; with a click or scroll, the keys held down." if
-                                                     "scroll" in acts else ".")},
+        "text": {"type": "string",
+                 "description": f'The text to type, or the keys to press (xdotool syntax, e.g. "ctrl+s"){held}.'},
     }
     if "scroll" in acts:
         props["start_coordinate"] = _point("where left_click_drag starts")
