@@ -1,7 +1,8 @@
 """Anthropic computer-use tools through the translation: each version becomes a Chat function tool with the
 documented actions, the model's call comes back as a `tool_use`, a `tool_result` screenshot reaches the
 engine as a user image; an unknown version is refused in Anthropic's error shape. End to end: the official
-`anthropic` SDK through a real mitmdump to the scripted engine, which clicks the cell the screenshot shows."""
+`anthropic` SDK through a real mitmdump to the scripted engine, which clicks the cell the screenshot shows
+(that test needs PIL, which the light proxy environment lacks)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import pytest
 
 from openforge.addons.flowfile import open_flow_file
 from openforge.addons.translate import TranslationError, request_to_chat, response_from_chat, stream_translator
-from openforge.examples.gui import GuiTask
-from tests.support.gui_engine import FINAL, GuiEngine
 from tests.support.translate_engine import parse_sse, sse, tool_call_deltas, translate_all, vllm_chunks
 
 pytestmark = pytest.mark.addon
@@ -25,7 +24,7 @@ CLICKS = ["key", "type", "mouse_move", "left_click", "left_click_drag", "right_c
 MORE = ["scroll", "hold_key", "wait", "triple_click", "left_mouse_down", "left_mouse_up"]
 POINTS = ["coordinate", "text"]
 SCROLLS = ["start_coordinate", "scroll_direction", "scroll_amount", "duration"]
-PNG_B64 = base64.b64encode(GuiTask(0).screenshot()).decode()
+PNG_B64 = base64.b64encode(b"\x89PNG\r\n\x1a\n screenshot").decode()
 
 
 def computer(version: str, **extra: Any) -> dict[str, Any]:
@@ -132,8 +131,13 @@ def test_computer_use_through_mitmdump_with_the_anthropic_sdk(start_proxy: Any) 
     tool_result (streamed this time) and the engine answers. A version Anthropic never had is a 400
     `invalid_request_error` the SDK raises as such. The flow file holds the client's base64 and the
     engine's data URL."""
+    pytest.importorskip("PIL")
+    from openforge.examples.gui import GuiTask
+    from tests.support.gui_engine import FINAL, GuiEngine
+
     task = GuiTask(0)
-    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}}
+    png_b64 = base64.b64encode(task.screenshot()).decode()
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png_b64}}
     tool = {"type": "computer_20250124", "name": "computer", "display_width_px": 112, "display_height_px": 112}
     with GuiEngine() as engine:
         proxy = start_proxy(engine.url, "openforge_engine_profile=vllm")
@@ -150,7 +154,7 @@ def test_computer_use_through_mitmdump_with_the_anthropic_sdk(start_proxy: Any) 
         upstream = engine.requests[-1].body
         assert upstream["tools"][0]["function"]["name"] == "computer"
         assert upstream["messages"][-1]["content"][1] == {
-            "type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG_B64}"}}
+            "type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}}
 
         messages += [{"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
@@ -162,7 +166,7 @@ def test_computer_use_through_mitmdump_with_the_anthropic_sdk(start_proxy: Any) 
         assert engine.requests[-1].body["messages"][-2:] == [
             {"role": "tool", "tool_call_id": use.id, "content": "clicked"},
             {"role": "user", "content": [{"type": "image_url",
-                                          "image_url": {"url": f"data:image/png;base64,{PNG_B64}"}}]}]
+                                          "image_url": {"url": f"data:image/png;base64,{png_b64}"}}]}]
 
         n = len(engine.requests)
         with pytest.raises(anthropic.BadRequestError) as err:
@@ -177,5 +181,5 @@ def test_computer_use_through_mitmdump_with_the_anthropic_sdk(start_proxy: Any) 
                    if r.get("type") == "exchange"]
     assert len(records) >= 2
     for rec in records[:2]:
-        assert PNG_B64 in rec["client_request"]["body"].decode()
-        assert f"data:image/png;base64,{PNG_B64}" in rec["upstream_request"]["body"].decode()
+        assert png_b64 in rec["client_request"]["body"].decode()
+        assert f"data:image/png;base64,{png_b64}" in rec["upstream_request"]["body"].decode()
