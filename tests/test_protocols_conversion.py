@@ -18,7 +18,8 @@ ANTHROPIC = {
     "model": "m", "max_tokens": 64,
     "system": [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Use tools."}],
     "tools": [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}, "cache_control": {}},
-              {"name": "Read", "input_schema": {"type": "object"}, "strict": True}],
+              {"name": "Read", "input_schema": {"type": "object"}, "strict": True},
+              {"type": "computer_20250124", "name": "computer", "display_width_px": 112, "display_height_px": 112}],
     "messages": [
         {"role": "user", "content": [{"type": "text", "text": "look"}, IMAGE]},
         {"role": "assistant", "content": [
@@ -29,7 +30,7 @@ ANTHROPIC = {
             {"type": "tool_use", "id": "t0", "name": "Bash", "input": {"command": "ls ü"}}]},
         {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t0", "content": [{"type": "text", "text": "a"},
-                                                                     {"type": "text", "text": "b"}]},
+                                                                     {"type": "text", "text": "b"}, IMAGE]},
             {"type": "text", "text": "go on"}]},
     ],
 }
@@ -73,6 +74,7 @@ def test_a_translated_call_and_a_forwarded_one_train_on_the_same_messages(protoc
     sent = parse_record(record(protocol, chat, CHAT_ANSWER, translated=True))
     assert (forwarded.messages, forwarded.tools) == (sent.messages, sent.tools)
     assert [(i.mime, i.data) for i in forwarded.images] == [(i.mime, i.data) for i in sent.images]
+    assert len(sent.images) == (2 if protocol == "anthropic" else 0)  # the user's and the tool result's
 
 
 def test_assistant_blocks_join_as_the_engine_is_sent_them() -> None:

@@ -76,7 +76,8 @@ def test_task_file_duplicate_id_and_empty_file(tmp_path: Path) -> None:
 
 
 def test_builtin_adapters_are_the_same_toml_form_and_follow_docs_toolchains() -> None:
-    assert adapters.builtin_names() == ["claude-code", "codex", "mini-swe-agent", "qwen-code", "tool-agent"]
+    assert adapters.builtin_names() == ["claude-code", "codex", "gui-agent", "gui-agent-anthropic", "mini-swe-agent",
+                                      "qwen-code", "tool-agent"]
     claude = adapters.resolve("claude-code")
     assert claude.env["ANTHROPIC_BASE_URL"] == "{base_url}" and claude.env["CLAUDE_CODE_MAX_RETRIES"] == "1"
     assert claude.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"

@@ -118,14 +118,17 @@ def test_anthropic_tool_result_with_image_and_text_then_user_text():
     chat, _ = request_to_chat("anthropic", body)
     assert chat["messages"][0] == {"role": "assistant", "content": None, "tool_calls": [
         {"id": "toolu_1", "type": "function", "function": {"name": "Shot", "arguments": "{}"}}]}
-    assert chat["messages"][1]["role"] == "tool" and chat["messages"][1]["content"][1]["type"] == "image_url"
-    assert chat["messages"][2] == {"role": "user", "content": "Now describe it."}
+    assert chat["messages"][1] == {"role": "tool", "tool_call_id": "toolu_1", "content": "screenshot:"}
+    assert chat["messages"][2] == {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,AAAA"}},
+        {"type": "text", "text": "Now describe it."}]}
 
 
 @pytest.mark.parametrize("tool", [
     {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
-    {"type": "computer_20250124", "name": "computer", "display_width_px": 1024, "display_height_px": 768},
+    {"type": "computer_20990101", "name": "computer", "display_width_px": 1024, "display_height_px": 768},
     {"type": "bash_20250124", "name": "bash"},
+    {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
     {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"},
 ])
 def test_anthropic_server_tools_are_refused_not_dropped(tool):

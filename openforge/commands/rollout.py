@@ -51,7 +51,8 @@ def rollout(
     tasks: Path = typer.Option(..., "--tasks", help="Task file, one JSON object per line (docs/rollouts.md)."),
     toolchain: list[str] = typer.Option(
         ..., "--toolchain",
-        help="A built-in adapter (claude-code, codex, qwen-code, mini-swe-agent, tool-agent) or custom:FILE.toml; "
+        help="A built-in adapter (claude-code, codex, qwen-code, mini-swe-agent, tool-agent, gui-agent, "
+             "gui-agent-anthropic) or custom:FILE.toml; "
              "repeat for several."),
     attempts: int = typer.Option(1, help="Attempts per task and toolchain (k, the GRPO group size)."),
     concurrency: int = typer.Option(1, help="Episodes running at once."),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import computer_use
 from .chat import Drops, Generated, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
@@ -70,12 +71,15 @@ def request(body: dict, drops: Drops) -> dict:
 
 
 def tools(body: dict, drops: Drops) -> list[dict]:
-    """The request's tools as Chat function tools; raises ProtocolError on a server-side tool."""
+    """The request's tools as Chat function tools (computer-use tools too: the client runs them); raises
+    ProtocolError on a server-side tool or a typed tool of a version not known here."""
     return [_tool(t, drops) for t in body.get("tools") or []]
 
 
 def _tool(tool: dict, drops: Drops) -> dict:
     ttype = tool.get("type")
+    if ttype in computer_use.VERSIONS:
+        return computer_use.function(tool, drops)
     if ttype not in (None, "custom"):
         raise unsupported_tool(tool.get("name"), ttype)
     drops.extra(tool, {"type", "name", "description", "input_schema", "strict"})  # cache_control, defer_loading
@@ -142,9 +146,13 @@ def _part(block: dict, drops: Drops, where: str) -> dict:
 
 
 def _user(content: Any, drops: Drops, i: int) -> list[dict]:
+    """A user turn as Chat messages: one `tool` message per tool result, holding its text (Chat `tool`
+    messages take text only), then one user message with the results' images in order (a computer-use
+    screenshot) followed by the turn's own blocks."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     tool_msgs: list[dict] = []
+    images: list[dict] = []
     parts: list[dict] = []
     for j, block in enumerate(content or []):
         where = f"messages.{i}.content.{j}"
@@ -152,13 +160,16 @@ def _user(content: Any, drops: Drops, i: int) -> list[dict]:
             drops.extra(block, {"type", "tool_use_id", "content"})  # is_error, cache_control
             inner = block.get("content")
             if inner is None or isinstance(inner, str):
-                result: Any = inner or ""
+                result = inner or ""
             else:
-                result = text_content([_part(b, drops, where) for b in inner])
+                converted = [_part(b, drops, where) for b in inner]
+                result = "\n".join(p["text"] for p in converted if p["type"] == "text")
+                images.extend(p for p in converted if p["type"] != "text")
             tool_msgs.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
         else:
             parts.append(_part(block, drops, where))
     # Chat Completions wants tool results right after the assistant's tool calls.
+    parts = images + parts
     return tool_msgs + ([{"role": "user", "content": text_content(parts)}] if parts else [])
 
 

@@ -1,0 +1,74 @@
+"""The scripted engine, able to see: it solves the GUI example's tasks from the screenshot it is sent.
+
+It reads the last image of each Chat request (a data: URL, as the proxy forwards both protocols), finds the
+cell of the colour the first user message names, and calls the request's tool once with a click at that
+cell's centre: `click` gets `{"x", "y"}`, the computer-use tool `{"action": "left_click", "coordinate"}`.
+After a tool call it answers "Done.". A wrong click can only come from a wrong or missing image, so a
+solved task proves the screenshot reached the engine intact.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import threading
+from typing import Any
+
+from PIL import Image
+
+from openforge.examples.gui import COLORS
+from tests.support.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
+
+FINAL = "Done."
+_DATA_URL = re.compile(r"^data:image/[a-z]+;base64,(.*)$", re.S)
+
+
+def last_image(body: dict[str, Any]) -> bytes | None:
+    """The bytes of the last data: URL image part in a Chat request's messages."""
+    found = None
+    for message in body.get("messages") or []:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            match = _DATA_URL.match(((part.get("image_url") or {}).get("url") or "") if isinstance(part, dict) else "")
+            if match:
+                found = base64.b64decode(match[1])
+    return found
+
+
+def centre_of(png: bytes, rgb: tuple[int, int, int]) -> tuple[int, int] | None:
+    """The centre of the pixels of colour `rgb` in the image, else None."""
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    points = [(x, y) for y in range(image.height) for x in range(image.width) if image.getpixel((x, y)) == rgb]
+    if not points:
+        return None
+    xs, ys = zip(*points)
+    return (min(xs) + max(xs)) // 2, (min(ys) + max(ys)) // 2
+
+
+class GuiEngine(ScriptedEngine):
+    """`with GuiEngine() as eng:` a scripted engine that clicks the asked-for cell of the screenshot."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._seen = threading.local()  # the image of the request this handler thread is answering
+
+    def _chat(self, h: Any, body: dict[str, Any]) -> None:
+        self._seen.image = last_image(body)
+        super()._chat(h, body)
+
+    def reply(self, conv: Conversation) -> Reply:
+        msgs = conv.messages
+        called = any(m.get("tool_calls") for m in msgs if m.get("role") == "assistant")
+        ask = next((content_text(m.get("content")) for m in msgs if m.get("role") == "user"), "")
+        color = next((c for c in COLORS if f"the {c} cell" in ask), None)
+        image = getattr(self._seen, "image", None)
+        point = centre_of(image, COLORS[color]) if image and color else None
+        if called or not conv.tools or point is None:
+            return Reply(FINAL, None, None, "call_final", self.encode(FINAL) + [self.eot_id], "stop")
+        fn = conv.tools[0]["function"]
+        x, y = point
+        args: dict[str, Any] = ({"action": "left_click", "coordinate": [x, y]}
+                                if "action" in (fn.get("parameters") or {}).get("properties", {}) else {"x": x, "y": y})
+        ids = self.encode(render_tool_call(fn["name"], args)) + [self.eot_id]
+        return Reply("", fn["name"], args, f"call_click{len(msgs)}", ids, "tool_calls")
