@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,21 @@ import pyarrow as pa
 if TYPE_CHECKING:
     import duckdb
 
-SCHEMA_VERSION = "5"
+SCHEMA_VERSION = "6"
+
+
+def schema_sql() -> str:
+    return resources.files("openforge.reconstruct").joinpath("schema.sql").read_text()
+
+
+def _create_table(table: str) -> str:
+    """schema.sql's `CREATE TABLE IF NOT EXISTS` statement of `table` (a migration that adds it runs the same)."""
+    match = re.search(rf"^CREATE TABLE IF NOT EXISTS {table} \(.*?^\);", schema_sql(), re.M | re.S)
+    if match is None:
+        raise LookupError(f"schema.sql creates no table {table}")
+    return match.group(0)
+
+
 # statements that bring a database of the previous version to the next one
 MIGRATIONS = {
     # role-aware samples: every episode is rebuilt by the next run (samples of other roles stop being trainable)
@@ -38,6 +53,13 @@ MIGRATIONS = {
         "ALTER TABLE calls ADD COLUMN IF NOT EXISTS policy_version BIGINT",
         "ALTER TABLE samples ADD COLUMN IF NOT EXISTS policy_version BIGINT",
         "UPDATE meta SET value = '5' WHERE key = 'schema_version'",
+    ],
+    # vision-language samples: every stored sample has no image (calls with images were skipped)
+    "5": [
+        "ALTER TABLE samples ADD COLUMN IF NOT EXISTS n_images INTEGER DEFAULT 0",
+        "ALTER TABLE samples ADD COLUMN IF NOT EXISTS processor JSON",
+        *(_create_table(t) for t in ("images", "sample_images", "call_images")),
+        "UPDATE meta SET value = '6' WHERE key = 'schema_version'",
     ],
 }
 # A database whose rows a migration would lose: (query counting them, what they are) per version.
@@ -84,6 +106,17 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "engine_model": pa.string(),
     "finish_reason": pa.string(),
     "task_id": pa.string(),
+    "data": pa.binary(),
+    "mime": pa.string(),
+    "width": pa.int32(),
+    "height": pa.int32(),
+    "idx": pa.int32(),
+    "token_start": pa.int32(),
+    "n_tokens": pa.int32(),
+    "grid_t": pa.int32(),
+    "grid_h": pa.int32(),
+    "grid_w": pa.int32(),
+    "n_images": pa.int32(),
 }
 
 
@@ -101,10 +134,6 @@ def _kind(typ: pa.DataType) -> str | int | None:
 
 
 _KINDS = {c: _kind(t) for c, t in COLUMN_TYPES.items()}
-
-
-def schema_sql() -> str:
-    return resources.files("openforge.reconstruct").joinpath("schema.sql").read_text()
 
 
 def connect(db: str | Path) -> duckdb.DuckDBPyConnection:
