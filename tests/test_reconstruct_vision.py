@@ -247,3 +247,48 @@ def test_cli_refuses_a_processor_dir_without_an_image_processor(tmp_path):
     assert result.exit_code == 2
     assert "error: --processor" in result.output and "preprocessor_config.json" in result.output
     assert "Traceback" not in result.output
+
+
+def test_responses_input_image(tmp_path, pdir, vl_tok):
+    """A Responses `input_image` part is an image part too."""
+    f = FlowFactory(tmp_path / "flows", tokenizer=vl_tok)
+    request = {"model": "m", "input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Look"}, {"type": "input_image", "image_url": url(BLUE)}]}]}
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]}]
+    f.write(f.responses(request, output, {"content": "Blue."}, engine_ids=False))
+    f.close()
+    db = build(tmp_path, "flows", qwen_path(), processor=pdir)
+    [sample] = db_rows(db, "SELECT sample_id, input_ids FROM samples")
+    chat = [{"role": "user", "content": [{"type": "text", "text": "Look"}, image_part(BLUE)]}]
+    prompt = expected_prompt(vl_tok, chat, [BLUE])
+    assert sample["input_ids"][:len(prompt)] == prompt
+    check_images(db, sample["sample_id"], [BLUE], sample["input_ids"])
+
+
+def test_later_runs_rebuild_images_from_the_database_and_check_them(tmp_path, pdir, vl_tok):
+    """A later run (no --processor) rebuilds an image episode from what pass 1 stored: the same sample and
+    images. Stored image tokens that no longer match the sample's pad runs skip the sample, never write it."""
+    import duckdb
+
+    f = FlowFactory(tmp_path / "flows", tokenizer=vl_tok)
+    messages = [{"role": "user", "content": [image_part(RED), {"type": "text", "text": "Go"}]}]
+    f.write(f.chat(messages, {"content": "OK"}, episode="ep", engine_ids=False))
+    f.close()
+    db = build(tmp_path, "flows", qwen_path(), processor=pdir)
+    query = "SELECT s.*, i.* EXCLUDE (sample_id) FROM samples s JOIN sample_images i USING (sample_id)"
+    before = db_rows(db, query)
+    reconstruct([tmp_path / "flows"], db, qwen_path(), missing_reward="fill:1")  # the reward changed: rebuilt
+    after = db_rows(db, query)
+    assert len(after) == 1 and after[0]["reward"] == 1.0
+    same = ("reward", "advantage", "created_at")
+    assert json.dumps([{**r, **dict.fromkeys(same)} for r in after], default=str) == \
+        json.dumps([{**r, **dict.fromkeys(same)} for r in before], default=str)
+    con = duckdb.connect(str(db))
+    con.execute("UPDATE call_images SET token_start = token_start + 1")
+    con.close()
+    # other build options: every episode is rebuilt
+    reconstruct([tmp_path / "flows"], db, qwen_path(), missing_reward="fill:1", keep_prompt_mismatch=True)
+    assert db_rows(db, "SELECT count(*) AS n FROM samples") == [{"n": 0}]
+    assert db_rows(db, "SELECT count(*) AS n FROM sample_images") == [{"n": 0}]
+    [skip] = db_rows(db, "SELECT reason, detail FROM skipped")
+    assert skip["reason"] == "sample_image_mismatch" and "expected" in skip["detail"]
