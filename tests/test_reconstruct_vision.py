@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from openforge.reconstruct.api import reconstruct
 from openforge.reconstruct.episodes import ChainHasher
+from openforge.reconstruct.stats import collect
 from openforge.reconstruct.tokenize import load_tokenizer
 from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_path
 from tests.support.vision import IMAGE_PAD_ID, image_processor, processor_dir, screenshot
@@ -143,6 +144,7 @@ def test_images_across_turns_land_where_their_pads_are(tmp_path, pdir, vl_tok, e
     columns = db_rows(db, "SELECT table_name t, column_name c FROM information_schema.columns "
                           "WHERE table_name IN ('call_images', 'images', 'sample_images') "
                           "OR column_name IN ('n_images', 'processor') ORDER BY ALL")
+    assert collect(db)["images"] == {"stored": 3, "samples": 1, "in samples": 3}
     assert len(columns) == 9 + 5 + 8 + 2 and all(db_rows(db, f'SELECT count("{r["c"]}") n FROM "{r["t"]}"')[0]["n"]
                                       for r in columns)
 
