@@ -137,7 +137,8 @@ class Ingest:
                         self._record(rec)
                     except Exception as e:  # noqa: BLE001 - one bad record is skipped, never the run
                         self._skip_failed(rec, e, mark)
-                    if self.bufs["calls"].n >= store.FLUSH_EVERY or self.bufs["call_tokens"].cells >= store.FLUSH_CELLS:
+                    if self.bufs["calls"].n >= store.FLUSH_EVERY or max(
+                            self.bufs["call_tokens"].cells, self.bufs["images"].cells) >= store.FLUSH_CELLS:
                         self._commit_batch(path, index)
                         con.begin()
             except UnsupportedVersion as e:
@@ -293,6 +294,7 @@ class Ingest:
                 raise Skip("duplicate_record", f"record id {call.call_id} was already read in this run")
             self.seen.add(call.call_id)
             grids: list[Grid] = []
+            starts: list[int] = []  # of each image's pad run in the prompt ids
             if call.images:
                 if self.vision is None:
                     raise Skip("images_unsupported", f"{len(call.images)} image(s): pass --processor DIR (the "

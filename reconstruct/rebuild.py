@@ -25,7 +25,7 @@ from openforge.reconstruct.rewards import RESOLVED_REWARDS_SQL, MissingReward, a
 from openforge.reconstruct.summary import Summary
 from openforge.reconstruct.tokenize import Retokenizer
 from openforge.reconstruct.trajectories import DRIFT_CLASSES, SampleRow, TreeCall, build_tree, chains, near_misses
-from openforge.reconstruct.vision import pad_runs
+from openforge.reconstruct.vision import image_pad_id, pad_runs
 
 if TYPE_CHECKING:
     import duckdb
@@ -106,6 +106,7 @@ class Rebuild:
         self.owners = store.Buffer(con, "_owners", ["call_id", "sample_id"])  # which sample trains a call
         self.sample_images = store.Buffer(con, "sample_images", SAMPLE_IMAGE_COLUMNS)
         self.images: dict[str, list[CallImage]] = {}  # of the affected episodes' calls that have images
+        self.pad_id = image_pad_id(retok.tok)
         self.now = datetime.now(UTC)
 
     def run(self, touched: set[str], policy: MissingReward | None, advantage: str, group_by: str,
@@ -274,8 +275,7 @@ class Rebuild:
         images = self.images.get(calls[s.path[-1]].call_id)
         if not images:
             return True
-        pad = int(s.input_ids[images[0].token_start]) if images[0].token_start < len(s.input_ids) else -1
-        runs = pad_runs(s.input_ids, pad)
+        runs = pad_runs(s.input_ids, self.pad_id) if self.pad_id is not None else []
         expected = [(im.token_start, im.n_tokens) for im in images]
         if runs == expected and len({im.processor for im in images}) == 1:
             return True

@@ -67,8 +67,8 @@ UNMIGRATABLE = {
     "3": ("SELECT (SELECT count(*) FROM call_tokens WHERE tools IS NOT NULL) + (SELECT count(*) FROM images)",
           "per-call conversations or images, written by a reconstruct older than schema 3"),
 }
-# A buffer is flushed once it holds this many rows or numeric list elements (~4 MB as numpy, whatever the
-# prompt length): memory stays flat on any corpus.
+# A buffer is flushed once it holds this many rows or cells (numeric list elements, or 4 bytes of an image:
+# ~4 MB, whatever the prompt length or image size): memory stays flat on any corpus.
 FLUSH_EVERY = 256
 FLUSH_CELLS = 1_000_000
 
@@ -237,12 +237,21 @@ def _fits_double(value: int | float) -> bool:
     return True
 
 
+def _cells(value: Any) -> int:
+    """What a value counts towards a buffer's volume: its elements for a numeric list, a cell per 4 bytes
+    (an id's size) for bytes (an image), else nothing."""
+    if isinstance(value, np.ndarray):
+        return len(value)
+    return len(value) // 4 if isinstance(value, bytes) else 0
+
+
 class Buffer:
     """Rows for one table, flushed as a single Arrow batch (`INSERT ... SELECT` from the batch).
 
-    `cells` counts the numeric list elements held, so callers can flush by volume (bounded memory
-    whatever the prompt length), not only by row count. Rows whose values Arrow cannot convert are left
-    out of the batch and kept in `rejected` with the error, for the caller to report.
+    `cells` counts the numeric list elements (and bytes, 4 to a cell) held, so callers can flush by volume
+    (bounded memory whatever the prompt length or image size), not only by row count. Rows whose values
+    Arrow cannot convert are left out of the batch and kept in `rejected` with the error, for the caller
+    to report.
     """
 
     def __init__(
@@ -268,16 +277,14 @@ class Buffer:
             self.keys.add(values[self.key])
         for c, v in values.items():
             self.rows[c].append(v)
-            if isinstance(v, np.ndarray):
-                self.cells += len(v)
+            self.cells += _cells(v)
         self.n += 1
 
     def truncate(self, n: int) -> None:
         """Drop the rows after the first `n` (those of a record that failed half-way)."""
         for c, values in self.rows.items():
             for v in values[n:]:
-                if isinstance(v, np.ndarray):
-                    self.cells -= len(v)
+                self.cells -= _cells(v)
             if self.key is not None and c == self.key:
                 self.keys.difference_update(values[n:])
             del values[n:]

@@ -70,13 +70,13 @@ class Vision:
         self.image_processor, self.retok = image_processor, retok
         tokenizer = retok.tok
         self.merge_size = int(getattr(image_processor, "merge_size", None) or 1)
-        pad = getattr(tokenizer, "image_token", None) or IMAGE_PAD
-        ids = [_token_id(tokenizer, t) for t in (pad, VISION_START, VISION_END)]
-        if None in ids:
-            raise ProcessorError(f"the tokenizer has no {pad}, {VISION_START} or {VISION_END} token "
+        pad_id = image_pad_id(tokenizer)
+        if pad_id is None or None in (_token_id(tokenizer, VISION_START), _token_id(tokenizer, VISION_END)):
+            raise ProcessorError(f"the tokenizer has no {IMAGE_PAD}, {VISION_START} or {VISION_END} token "
                                  "(give the tokenizer of the vision-language model)")
-        self.pad_id, self.start_id, self.end_id = (int(i) for i in ids)  # type: ignore[arg-type]
-        self.settings = json.dumps(image_processor.to_dict(), sort_keys=True, default=list)
+        self.pad_id = pad_id
+        # what the trainer rebuilds the image processor from (`image_processor_type` names its class)
+        self.settings = json.dumps(json.loads(image_processor.to_json_string()), sort_keys=True)
         self._grids: dict[str, Grid] = {}
 
     @classmethod
@@ -151,6 +151,11 @@ def pad_runs(ids: list[int] | np.ndarray, pad_id: int) -> list[tuple[int, int]]:
         return []
     edges = np.flatnonzero(np.diff(np.concatenate([[0], is_pad.astype(np.int8), [0]])))
     return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def image_pad_id(tokenizer: Any) -> int | None:
+    """The id of the tokenizer's image pad token (its `image_token`, else `<|image_pad|>`), None without one."""
+    return _token_id(tokenizer, getattr(tokenizer, "image_token", None) or IMAGE_PAD)
 
 
 def _token_id(tokenizer: Any, token: str) -> int | None:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
+from transformers import Qwen2VLImageProcessorPil
 from typer.testing import CliRunner
 
 from openforge.reconstruct.api import reconstruct
@@ -51,8 +53,6 @@ def image_part(png: bytes) -> dict[str, Any]:
 
 def n_pads(png: bytes) -> tuple[int, list[int]]:
     """The image's placeholder count and grid, from the image processor alone."""
-    from PIL import Image
-
     [grid] = image_processor()(images=[Image.open(io.BytesIO(png))])["image_grid_thw"].tolist()
     return grid[0] * grid[1] * grid[2] // 4, grid
 
@@ -99,6 +99,10 @@ def check_images(db: Path, sample_id: str, pngs: list[bytes], ids: list[int]) ->
     settings = json.loads(sample["processor"])
     assert settings["image_processor_type"] == "Qwen2VLImageProcessor"
     assert (settings["merge_size"], settings["patch_size"], settings["temporal_patch_size"]) == (2, 14, 2)
+    rebuilt = Qwen2VLImageProcessorPil.from_dict(settings)  # as the trainer does, for pixel values
+    for r, png in zip(rows, pngs):
+        grid = rebuilt(images=[Image.open(io.BytesIO(png))])["image_grid_thw"].tolist()
+        assert grid == [[r["grid_t"], r["grid_h"], r["grid_w"]]]
 
 
 def test_chat_call_with_two_images_expands_each_pad_by_its_grid(tmp_path, pdir, vl_tok):
