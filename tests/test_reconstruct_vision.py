@@ -298,3 +298,35 @@ def test_later_runs_rebuild_images_from_the_database_and_check_them(tmp_path, pd
     assert db_rows(db, "SELECT count(*) AS n FROM sample_images") == [{"n": 0}]
     [skip] = db_rows(db, "SELECT reason, detail FROM skipped")
     assert skip["reason"] == "sample_image_mismatch" and "expected" in skip["detail"]
+
+
+def test_unreadable_images_and_stray_pads_skip_their_call_only(tmp_path, pdir, vl_tok):
+    """Bytes that are no image, an image given by URL (no bytes to process), and user text that spells the
+    image pad token (the render then holds more pads than images) each skip their call; the good call is built."""
+    f = FlowFactory(tmp_path / "flows", tokenizer=vl_tok)
+    notpng = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"junk").decode()}}
+    by_url = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    stray = {"type": "text", "text": "what is <|image_pad|>?"}
+    for parts in ([notpng], [by_url], [image_part(RED), stray], [image_part(RED)]):
+        f.write(f.chat([{"role": "user", "content": parts}], {"content": "OK"}, engine_ids=False))
+    f.close()
+    db = build(tmp_path, "flows", qwen_path(), processor=pdir)
+    skips = db_rows(db, "SELECT reason, detail FROM skipped ORDER BY reason, detail")
+    assert [s["reason"] for s in skips] == ["bad_image", "bad_image", "image_token_mismatch"]
+    assert "example.com" in skips[1]["detail"] + skips[0]["detail"]
+    assert "2 image pad tokens for 1 images" in skips[2]["detail"]
+    assert db_rows(db, "SELECT n_images FROM samples") == [{"n_images": 1}]
+
+
+def test_cli_finds_the_processor_in_the_tokenizer_directory(tmp_path, pdir, vl_tok):
+    """A VL model directory given as --tokenizer is its own processor."""
+    from openforge.cli import app
+
+    f = FlowFactory(tmp_path / "flows", tokenizer=vl_tok)
+    f.write(f.chat([{"role": "user", "content": [image_part(WIDE)]}], {"content": "OK"}, engine_ids=False))
+    f.close()
+    db = tmp_path / "x.duckdb"
+    result = CliRunner().invoke(app, ["reconstruct", str(tmp_path / "flows"), "--db", str(db), "--tokenizer",
+                                      str(pdir), "--missing-reward", "keep"])
+    assert result.exit_code == 0, result.output
+    assert db_rows(db, "SELECT n_images FROM samples") == [{"n_images": 1}]
