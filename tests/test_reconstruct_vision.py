@@ -211,6 +211,26 @@ def test_anthropic_image_blocks(tmp_path, pdir, vl_tok, translated):
     check_images(db, sample["sample_id"], [WIDE], sample["input_ids"])
 
 
+def test_anthropic_screenshot_in_a_tool_result(tmp_path, pdir, vl_tok):
+    """A computer-use loop: the screenshot comes back in a tool_result, which becomes a tool message with parts."""
+    f = FlowFactory(tmp_path / "flows", tokenizer=vl_tok)
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(RED).decode()}}
+    body = {"model": "claude", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "Take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t0", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t0", "content": [shot]}]}]}
+    f.write(anthropic_record(f, body, translated=False))
+    f.close()
+    db = build(tmp_path, "flows", qwen_path(), processor=pdir)
+    [sample] = db_rows(db, "SELECT sample_id, input_ids FROM samples")
+    chat = [{"role": "user", "content": "Take a screenshot"}, {"role": "assistant", "content": ""},
+            {"role": "tool", "content": [image_part(RED)]}]
+    prompt = expected_prompt(vl_tok, chat, [RED])
+    assert sample["input_ids"][:len(prompt)] == prompt
+    check_images(db, sample["sample_id"], [RED], sample["input_ids"])
+
+
 def test_without_a_processor_calls_with_images_stay_skipped(tmp_path, vl_tok):
     f = FlowFactory(tmp_path / "flows", tokenizer=vl_tok)
     f.write(f.chat([{"role": "user", "content": [image_part(RED)]}], {"content": "OK"}, engine_ids=False))
