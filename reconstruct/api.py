@@ -8,6 +8,7 @@ one episode in memory at a time, from `call_tokens`: trajectory tree, samples, r
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +21,7 @@ from openforge.reconstruct.rebuild import BuildOptions, Progress, Rebuild, snaps
 from openforge.reconstruct.rewards import MissingReward, advantage_sql, read_rewards_file
 from openforge.reconstruct.summary import Summary
 from openforge.reconstruct.tokenize import Retokenizer, load_tokenizer
+from openforge.reconstruct.vision import Vision, is_processor_dir
 
 __all__ = ["BuildOptions", "Progress", "Summary", "reconstruct"]
 
@@ -37,6 +39,7 @@ def reconstruct(
     group_by: str = "task",
     keep_prompt_mismatch: bool = False,
     chat_template: str | Path | None = None,
+    processor: str | Path | Vision | None = None,
 ) -> Summary:
     """Ingest flow files (ours or mitmproxy's) into `db`; rebuild the episodes they touch.
 
@@ -44,6 +47,9 @@ def reconstruct(
     trainable. `group_by`: advantages within a task (`task`) or within a task and toolchain (`task-toolchain`).
     A call whose rendered prompt differs in length from the engine's is template drift and trains only with
     `keep_prompt_mismatch`. `chat_template`: a file with the template the engine rendered prompts with.
+    `processor`: a vision-language model's directory (its image processor and the chat template that renders
+    images), found in a `tokenizer` directory that has one; without it, calls with images are skipped.
+    Raises `vision.ProcessorError` for a directory without a usable image processor.
     """
     started = time.monotonic()
     policy = missing_reward if isinstance(missing_reward, MissingReward) else MissingReward.parse(missing_reward)
@@ -54,11 +60,14 @@ def reconstruct(
     retok = tokenizer if isinstance(tokenizer, Retokenizer) else Retokenizer(load_tokenizer(tokenizer))
     if chat_template is not None:
         retok = Retokenizer(retok.tok, chat_template=Path(chat_template).read_text(encoding="utf-8"))
+    if processor is None and isinstance(tokenizer, (str, os.PathLike)) and is_processor_dir(tokenizer):
+        processor = Path(tokenizer)
+    vision = processor if isinstance(processor, Vision) or processor is None else Vision.load(processor, retok)
     con = store.connect(db)
     try:
         summary = Summary(files=len(files))
         snapshot_rewards(con)
-        ingest = Ingest(con, retok, run, summary)
+        ingest = Ingest(con, retok, run, summary, vision)
         total = sum(p.stat().st_size for p in files if p.exists())
         done = 0
         for path in files:

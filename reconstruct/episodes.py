@@ -27,10 +27,17 @@ def _args(arguments: str) -> Any:
         return arguments
 
 
+def _loose_content(content: Any) -> Any:
+    """Stripped text; a list of parts (a message with images) as its stripped texts and image hashes."""
+    if isinstance(content, list):
+        return [p["text"].strip() if p["type"] == "text" else ["image", p.get("sha256")] for p in content]
+    return (content or "").strip()
+
+
 def loose_message(m: dict[str, Any]) -> str:
-    """What survives every toolchain's rewriting: role, text, tool names and parsed arguments."""
+    """What survives every toolchain's rewriting: role, text, images, tool names and parsed arguments."""
     calls = [[tc["function"]["name"], _args(tc["function"].get("arguments", ""))] for tc in m.get("tool_calls") or []]
-    return stable_json([m.get("role"), (m.get("content") or "").strip(), calls])
+    return stable_json([m.get("role"), _loose_content(m.get("content")), calls])
 
 
 def strict_message(m: dict[str, Any]) -> str:
@@ -56,7 +63,10 @@ def _fingerprint(m: dict[str, Any]) -> tuple:
     calls = tuple(
         (tc.get("id"), tc["function"]["name"], tc["function"].get("arguments", "")) for tc in m.get("tool_calls") or ()
     )
-    return (m.get("role"), m.get("content"), calls, m.get("tool_call_id"), m.get("reasoning_content"))
+    content = m.get("content")
+    if isinstance(content, list):  # a message with images: its parts (dicts) as one string
+        content = ("parts", stable_json(content))
+    return (m.get("role"), content, calls, m.get("tool_call_id"), m.get("reasoning_content"))
 
 
 class ChainHasher:

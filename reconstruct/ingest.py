@@ -34,6 +34,7 @@ from openforge.reconstruct.protocols import Call, RawIds, Skip, parse_choices
 from openforge.reconstruct.rewards import BadReward, check_reward
 from openforge.reconstruct.summary import Summary
 from openforge.reconstruct.tokenize import Retokenizer
+from openforge.reconstruct.vision import Grid, Vision
 
 if TYPE_CHECKING:
     import duckdb
@@ -52,6 +53,8 @@ TOKEN_COLUMNS = [
 ]
 REWARD_COLUMNS = ["episode_id", "reward", "task_id", "source", "metadata", "policy"]
 SKIPPED_COLUMNS = ["file_id", "record_id", "reason", "detail"]
+CALL_IMAGE_COLUMNS = ["call_id", "idx", "hash", "token_start", "n_tokens", "grid_t", "grid_h", "grid_w", "processor"]
+IMAGE_COLUMNS = ["hash", "mime", "data", "width", "height"]
 
 
 class Reader(Protocol):
@@ -84,11 +87,13 @@ class Ingest:
 
     `touched`: the episodes that got calls (pass 2 rebuilds them). `seen`: the call ids read in this run
     (a reused id is a damaged record, never a second call). The linker starts from the conversations
-    already stored, so a later run's calls join their episodes.
+    already stored, so a later run's calls join their episodes. `vision`: the image processor and VL chat
+    template for calls with images; None skips them as `images_unsupported`.
     """
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, retok: Retokenizer, run: str | None, summary: Summary) -> None:
-        self.con, self.retok, self.run, self.summary = con, retok, run, summary
+    def __init__(self, con: duckdb.DuckDBPyConnection, retok: Retokenizer, run: str | None, summary: Summary,
+                 vision: Vision | None = None) -> None:
+        self.con, self.retok, self.run, self.summary, self.vision = con, retok, run, summary, vision
         known = con.execute("SELECT conv_end, episode_id FROM call_tokens WHERE linked_by = 'conversation'").fetchall()
         self.linker = Linker(dict(known))
         self.hasher = ChainHasher()
@@ -132,7 +137,8 @@ class Ingest:
                         self._record(rec)
                     except Exception as e:  # noqa: BLE001 - one bad record is skipped, never the run
                         self._skip_failed(rec, e, mark)
-                    if self.bufs["calls"].n >= store.FLUSH_EVERY or self.bufs["call_tokens"].cells >= store.FLUSH_CELLS:
+                    if self.bufs["calls"].n >= store.FLUSH_EVERY or max(
+                            self.bufs["call_tokens"].cells, self.bufs["images"].cells) >= store.FLUSH_CELLS:
                         self._commit_batch(path, index)
                         con.begin()
             except UnsupportedVersion as e:
@@ -180,6 +186,8 @@ class Ingest:
             "skipped": store.Buffer(con, "skipped", SKIPPED_COLUMNS),
             "rewards": store.Buffer(con, "rewards", REWARD_COLUMNS),
             "call_messages": store.Buffer(con, "call_messages", ["hash", "message"], ignore_conflicts=True),
+            "call_images": store.Buffer(con, "call_images", CALL_IMAGE_COLUMNS),
+            "images": store.Buffer(con, "images", IMAGE_COLUMNS, ignore_conflicts=True, key="hash"),
         }
 
     def _flush(self) -> None:
@@ -285,10 +293,17 @@ class Ingest:
             if call.call_id in self.seen:
                 raise Skip("duplicate_record", f"record id {call.call_id} was already read in this run")
             self.seen.add(call.call_id)
+            grids: list[Grid] = []
+            starts: list[int] = []  # of each image's pad run in the prompt ids
             if call.images:
-                raise Skip("images_unsupported",
-                           f"{len(call.images)} image(s): vision-language samples do not exist yet")
-            prompt_ids, completion_ids, source = token_ids(call, self.retok)
+                if self.vision is None:
+                    raise Skip("images_unsupported", f"{len(call.images)} image(s): pass --processor DIR (the "
+                               "vision-language model's image processor) to build vision-language samples")
+                grids = [self.vision.grid(i, image) for i, image in enumerate(call.images)]
+                prompt_ids, completion_ids, source = token_ids(call, self.vision.retok)
+                prompt_ids, starts = image_prompt(self.vision, prompt_ids, source, grids)
+            else:
+                prompt_ids, completion_ids, source = token_ids(call, self.retok)
         except Skip as s:
             s.call_id = call.call_id
             return s
@@ -335,7 +350,19 @@ class Ingest:
             messages=None if call.messages is not None else "null",  # NULL: read back from call_messages
             prefix_call_id=prefix_id, prefix_len=prefix_len if prefix_id else None,
         )
+        if self.vision is not None and grids:
+            self._images(call, grids, starts, self.vision.settings)
         return role, source, check
+
+    def _images(self, call: Call, grids: list[Grid], starts: list[int], settings: str) -> None:
+        """The call's images in prompt order with their pad runs (`call_images`), and each image's bytes once."""
+        for idx, (image, grid, start) in enumerate(zip(call.images, grids, starts)):
+            self.bufs["call_images"].add(
+                call_id=call.call_id, idx=idx, hash=image.sha256, token_start=start, n_tokens=grid.n_tokens,
+                grid_t=grid.t, grid_h=grid.h, grid_w=grid.w, processor=settings,
+            )
+            self.bufs["images"].add(hash=image.sha256, mime=image.mime, data=image.data, width=grid.width,
+                                    height=grid.height)
 
     def _count(self, role: str, source: str, check: str) -> None:
         summary = self.summary
@@ -361,6 +388,16 @@ def token_ids(call: Call, retok: Retokenizer) -> tuple[list[int] | RawIds, list[
     if call.engine_completion_ids is not None:
         return prompt, call.engine_completion_ids, "mixed"
     return prompt, completion, "retokenized"
+
+
+def image_prompt(vision: Vision, prompt_ids: list[int] | RawIds, source: str,
+                 grids: list[Grid]) -> tuple[list[int], list[int]]:
+    """(prompt ids, start of each image's pad run): a rendered prompt's pads expanded as the VL processor does;
+    the engine's already are. Either way the runs must be the processor's grids, in order, or Skip."""
+    ids = prompt_ids.parse() if isinstance(prompt_ids, RawIds) else list(prompt_ids)
+    if source != "engine":
+        ids = vision.expand(ids, grids)
+    return ids, vision.check_runs(ids, grids)
 
 
 def prompt_check(source: str, rendered: int | None, reported: Any) -> str:

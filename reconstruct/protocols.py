@@ -234,26 +234,35 @@ def _sse_json(raw: bytes) -> Iterator[tuple[str | None, dict[str, Any]]]:
 # ---------------------------------------------------------------- content helpers
 
 
-def _text_and_images(content: Any, images: list[Image]) -> str:
-    """Flatten str | list of parts (OpenAI, Anthropic, Responses) to text; images go to `images`."""
+def _text_and_images(content: Any, images: list[Image]) -> str | list[dict[str, Any]]:
+    """Flatten str | list of parts (OpenAI, Anthropic, Responses) to text; images go to `images`.
+
+    Content with an image stays a list of parts, so a VL chat template renders each image where it was:
+    `{"type": "text", "text": ...}` and `{"type": "image", "sha256": ...}` (the hash tells two conversations
+    with the same text and other images apart).
+    """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for part in content if isinstance(content, list) else [content]:
         if isinstance(part, str):
             texts.append(part)
+            parts.append({"type": "text", "text": part})
             continue
         kind = part.get("type")
         if kind in ("text", "input_text", "output_text"):
             texts.append(part.get("text") or "")
-        elif kind in ("image_url", "input_image", "image"):
-            _collect_image(part, images)
-    return "\n".join(texts)
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind in ("image_url", "input_image", "image") and _collect_image(part, images):
+            parts.append({"type": "image", "sha256": images[-1].sha256})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
-def _collect_image(part: dict[str, Any], images: list[Image]) -> None:
+def _collect_image(part: dict[str, Any], images: list[Image]) -> bool:
+    """Append the part's image to `images`; False for a part that holds none."""
     url = part.get("image_url")
     if isinstance(url, dict):
         url = url.get("url")
@@ -267,8 +276,10 @@ def _collect_image(part: dict[str, Any], images: list[Image]) -> None:
         data = base64.b64decode(payload) if ";base64" in head else payload.encode()
     elif isinstance(url, str) or source.get("url"):
         mime, data = "text/uri-list", str(url or source.get("url") or "").encode()
-    if data is not None:
-        images.append(Image(hashlib.sha256(data).hexdigest(), mime, data))
+    if data is None:
+        return False
+    images.append(Image(hashlib.sha256(data).hexdigest(), mime, data))
+    return True
 
 
 def _tool_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:

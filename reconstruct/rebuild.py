@@ -25,6 +25,7 @@ from openforge.reconstruct.rewards import RESOLVED_REWARDS_SQL, MissingReward, a
 from openforge.reconstruct.summary import Summary
 from openforge.reconstruct.tokenize import Retokenizer
 from openforge.reconstruct.trajectories import DRIFT_CLASSES, SampleRow, TreeCall, build_tree, chains, near_misses
+from openforge.reconstruct.vision import image_pad_id, pad_runs
 
 if TYPE_CHECKING:
     import duckdb
@@ -35,8 +36,9 @@ READ_CELLS = 1_000_000  # whole episodes are read until their token ids reach th
 SAMPLE_COLUMNS = [
     "sample_id", "episode_id", "run_id", "task_id", "tokenizer", "vocab_size", "token_source", "input_ids",
     "loss_mask", "behaviour_logprobs", "n_tokens", "n_trainable", "n_calls", "reward", "advantage", "weight",
-    "created_at", "role", "toolchain", "policy_version",
+    "created_at", "role", "toolchain", "policy_version", "n_images", "processor",
 ]
+SAMPLE_IMAGE_COLUMNS = ["sample_id", "idx", "hash", "token_start", "n_tokens", "grid_t", "grid_h", "grid_w"]
 EPISODE_COLUMNS = [
     "episode_id", "run_id", "task_id", "toolchain", "n_calls", "n_samples", "reward", "weight",
     "drift_template", "drift_retokenization", "drift_client_rewrite", "drift_other",
@@ -50,6 +52,18 @@ _CALL_COLUMNS = ("role", "toolchain", "prompt_check", "policy_version")  # from 
 _LIST_COLUMNS = ("prompt_ids", "completion_ids", "completion_logprobs")  # read as numpy views
 
 Row = dict[str, Any]  # one call of an episode: _TREE_COLUMNS + _CALL_COLUMNS
+
+
+class CallImage(NamedTuple):
+    """One image of a call's prompt (`call_images`): where its pad run starts and the grid it came from."""
+
+    hash: str
+    token_start: int
+    n_tokens: int
+    grid_t: int
+    grid_h: int
+    grid_w: int
+    processor: str
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,9 @@ class Rebuild:
         self.samples = store.Buffer(con, "samples", SAMPLE_COLUMNS)
         self.episodes = store.Buffer(con, "episodes", EPISODE_COLUMNS)
         self.owners = store.Buffer(con, "_owners", ["call_id", "sample_id"])  # which sample trains a call
+        self.sample_images = store.Buffer(con, "sample_images", SAMPLE_IMAGE_COLUMNS)
+        self.images: dict[str, list[CallImage]] = {}  # of the affected episodes' calls that have images
+        self.pad_id = image_pad_id(retok.tok)
         self.now = datetime.now(UTC)
 
     def run(self, touched: set[str], policy: MissingReward | None, advantage: str, group_by: str,
@@ -98,8 +115,11 @@ class Rebuild:
         con = self.con
         n_affected = self._find_affected(touched, policy)
         facts = self._episode_facts()
+        self.images = self._call_images()
         con.begin()
         try:
+            con.execute("""DELETE FROM sample_images WHERE sample_id IN
+                           (SELECT sample_id FROM samples WHERE episode_id IN (SELECT episode_id FROM affected))""")
             con.execute("DELETE FROM samples WHERE episode_id IN (SELECT episode_id FROM affected)")
             con.execute("DELETE FROM episodes WHERE episode_id IN (SELECT episode_id FROM affected)")
             con.execute("DELETE FROM skipped WHERE file_id IN (SELECT 'episode:' || episode_id FROM affected)")
@@ -123,7 +143,7 @@ class Rebuild:
                     self.samples.flush()
                 if progress:
                     progress("episodes", done, n_affected)
-            for b in (self.samples, self.episodes, self.owners):
+            for b in (self.samples, self.episodes, self.owners, self.sample_images):
                 b.flush()
             self._finish(advantage, group_by)
             con.commit()
@@ -174,9 +194,21 @@ class Rebuild:
         episodes = rewards.keys() | info.keys()
         return {e: Episode(e, *rewards.get(e, (None, None)), *info.get(e, (None, None))) for e in episodes}
 
+    def _call_images(self) -> dict[str, list[CallImage]]:
+        """The images of the affected episodes' calls, in prompt order (each processor's settings held once)."""
+        out: dict[str, list[CallImage]] = {}
+        settings: dict[str, str] = {}
+        for call_id, h, start, n, t, gh, gw, processor in self.con.execute("""
+                SELECT ci.call_id, ci.hash, ci.token_start, ci.n_tokens, ci.grid_t, ci.grid_h, ci.grid_w, ci.processor
+                FROM call_images ci JOIN call_tokens ct USING (call_id)
+                WHERE ct.episode_id IN (SELECT episode_id FROM affected) ORDER BY ci.call_id, ci.idx""").fetchall():
+            image = CallImage(h, start, n, t, gh, gw, settings.setdefault(processor, processor))
+            out.setdefault(call_id, []).append(image)
+        return out
+
     def _episode(self, episode: Episode, rows: list[Row] | ValueError) -> None:
         """Build one episode; one that cannot be built goes to `skipped` (`episode_failed`), never the run."""
-        buffers = (self.samples, self.episodes, self.owners)
+        buffers = (self.samples, self.episodes, self.owners, self.sample_images)
         marks = [b.n for b in buffers]
         try:
             if isinstance(rows, Exception):
@@ -204,18 +236,24 @@ class Rebuild:
             for i, j in near_misses(calls, parents):
                 drift[self._drift(group[j], group[i])] += 1
             built.extend((role, calls, s) for s in chains(calls, parents))
+        built = [b for b in built if self._images_match(episode.episode_id, b[1], b[2])]
         weight = 1.0 / max(1, sum(1 for _, _, s in built if s.loss_mask.any()))
         summary = self.summary
         for n, (role, calls, s) in enumerate(built):
             sample_id = f"{episode.episode_id}:{n}"
             n_trainable = int(s.loss_mask.sum())
+            images = self.images.get(calls[s.path[-1]].call_id, [])
+            for idx, im in enumerate(images):
+                self.sample_images.add(sample_id=sample_id, idx=idx, hash=im.hash, token_start=im.token_start,
+                                       n_tokens=im.n_tokens, grid_t=im.grid_t, grid_h=im.grid_h, grid_w=im.grid_w)
             self.samples.add(
                 sample_id=sample_id, episode_id=episode.episode_id, run_id=episode.run_id, task_id=episode.task_id,
                 tokenizer=self.retok.name, vocab_size=self.retok.vocab_size, token_source=s.token_source,
                 input_ids=s.input_ids, loss_mask=s.loss_mask, behaviour_logprobs=s.logprobs,
                 n_tokens=len(s.input_ids), n_trainable=n_trainable, n_calls=len(s.path), reward=episode.reward,
                 advantage=None, weight=weight, created_at=self.now, role=role, toolchain=calls[s.path[-1]].toolchain,
-                policy_version=sample_policy_version(calls, s),
+                policy_version=sample_policy_version(calls, s), n_images=len(images),
+                processor=images[0].processor if images else None,
             )
             for i in s.owned:
                 self.owners.add(call_id=calls[i].call_id, sample_id=sample_id)
@@ -229,6 +267,23 @@ class Rebuild:
         )
         summary.drift.update(drift)
         summary.episodes += 1
+
+    def _images_match(self, episode_id: str, calls: list[TreeCall], s: SampleRow) -> bool:
+        """Whether the sample's pad runs are its images' (those of its last call, whose prompt holds the chain):
+        one run per image, where it starts, of its length, all grids from one processor. A sample that does
+        not goes to `skipped` (`sample_image_mismatch`) rather than to the trainer wrong."""
+        images = self.images.get(calls[s.path[-1]].call_id)
+        if not images:
+            return True
+        runs = pad_runs(s.input_ids, self.pad_id) if self.pad_id is not None else []
+        expected = [(im.token_start, im.n_tokens) for im in images]
+        if runs == expected and len({im.processor for im in images}) == 1:
+            return True
+        self.con.execute("INSERT INTO skipped VALUES (?, ?, 'sample_image_mismatch', ?)", [
+            f"episode:{episode_id}", calls[s.path[-1]].call_id,
+            f"image pad runs (start, length) expected {expected[:10]}, found {runs[:10]}"[:500]])
+        self.summary.skipped["sample_image_mismatch"] += 1
+        return False
 
     def _tree_call(self, role: str, r: Row) -> TreeCall:
         return TreeCall(

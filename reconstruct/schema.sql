@@ -112,6 +112,21 @@ CREATE TABLE IF NOT EXISTS sample_images (
     PRIMARY KEY (sample_id, idx)
 );
 
+-- The images of each call in prompt order, as pass 1 found them: what pass 2 gives the samples a call ends
+-- (a later run rebuilds episodes from here). token_start indexes the call's whole prompt ids.
+CREATE TABLE IF NOT EXISTS call_images (
+    call_id     VARCHAR NOT NULL,
+    idx         INTEGER NOT NULL,          -- 0-based order of the image in the prompt
+    hash        VARCHAR NOT NULL,          -- images.hash
+    token_start INTEGER NOT NULL,          -- index in the prompt ids of the image's first pad token
+    n_tokens    INTEGER NOT NULL,
+    grid_t      INTEGER NOT NULL,
+    grid_h      INTEGER NOT NULL,
+    grid_w      INTEGER NOT NULL,
+    processor   JSON NOT NULL,             -- the image processor's settings the grid was computed with
+    PRIMARY KEY (call_id, idx)
+);
+
 -- Records that could not become calls, with the reason (never silently dropped).
 CREATE TABLE IF NOT EXISTS skipped (
     file_id   VARCHAR NOT NULL,

@@ -31,6 +31,11 @@ def collect(db: str | Path) -> dict[str, Any]:
         unclassified = int(extra_chains) - sum(classes.values())
         if unclassified > 0:
             classes["new conversation"] = unclassified  # subagents, compaction, retries
+        images = (0, 0, 0)
+        if one("SELECT count(*) FROM information_schema.columns WHERE table_name = 'samples' "
+               "AND column_name = 'n_images'")[0]:  # schema 6 (stats reads an older database unmigrated)
+            images = one("SELECT (SELECT count(*) FROM images), count(*) FILTER (n_images > 0), "
+                         "coalesce(sum(n_images), 0) FROM samples")
         skipped = dict(con.execute("SELECT reason, count(*) FROM skipped GROUP BY reason ORDER BY 2 DESC").fetchall())
         return {
             "episodes": episodes,
@@ -46,6 +51,9 @@ def collect(db: str | Path) -> dict[str, Any]:
             "merge_ratio": (built_calls / samples) if samples else 0.0,
             "branches": int(extra_chains),
             "branches_by_class": classes,
+            # each image once; samples that have images, and the images they hold (an image resent on each
+            # turn of an episode counts once per sample)
+            "images": {"stored": images[0], "samples": images[1], "in samples": int(images[2])},
             "skipped": skipped,
         }
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,7 +13,21 @@ import pyarrow as pa
 if TYPE_CHECKING:
     import duckdb
 
-SCHEMA_VERSION = "5"
+SCHEMA_VERSION = "6"
+
+
+def schema_sql() -> str:
+    return resources.files("openforge.reconstruct").joinpath("schema.sql").read_text()
+
+
+def _create_table(table: str) -> str:
+    """schema.sql's `CREATE TABLE IF NOT EXISTS` statement of `table` (a migration that adds it runs the same)."""
+    match = re.search(rf"^CREATE TABLE IF NOT EXISTS {table} \(.*?^\);", schema_sql(), re.M | re.S)
+    if match is None:
+        raise LookupError(f"schema.sql creates no table {table}")
+    return match.group(0)
+
+
 # statements that bring a database of the previous version to the next one
 MIGRATIONS = {
     # role-aware samples: every episode is rebuilt by the next run (samples of other roles stop being trainable)
@@ -39,14 +54,21 @@ MIGRATIONS = {
         "ALTER TABLE samples ADD COLUMN IF NOT EXISTS policy_version BIGINT",
         "UPDATE meta SET value = '5' WHERE key = 'schema_version'",
     ],
+    # vision-language samples: every stored sample has no image (calls with images were skipped)
+    "5": [
+        "ALTER TABLE samples ADD COLUMN IF NOT EXISTS n_images INTEGER DEFAULT 0",
+        "ALTER TABLE samples ADD COLUMN IF NOT EXISTS processor JSON",
+        *(_create_table(t) for t in ("images", "sample_images", "call_images")),
+        "UPDATE meta SET value = '6' WHERE key = 'schema_version'",
+    ],
 }
 # A database whose rows a migration would lose: (query counting them, what they are) per version.
 UNMIGRATABLE = {
     "3": ("SELECT (SELECT count(*) FROM call_tokens WHERE tools IS NOT NULL) + (SELECT count(*) FROM images)",
           "per-call conversations or images, written by a reconstruct older than schema 3"),
 }
-# A buffer is flushed once it holds this many rows or numeric list elements (~4 MB as numpy, whatever the
-# prompt length): memory stays flat on any corpus.
+# A buffer is flushed once it holds this many rows or cells (numeric list elements, or 4 bytes of an image:
+# ~4 MB, whatever the prompt length or image size): memory stays flat on any corpus.
 FLUSH_EVERY = 256
 FLUSH_CELLS = 1_000_000
 
@@ -84,6 +106,17 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "engine_model": pa.string(),
     "finish_reason": pa.string(),
     "task_id": pa.string(),
+    "data": pa.binary(),
+    "mime": pa.string(),
+    "width": pa.int32(),
+    "height": pa.int32(),
+    "idx": pa.int32(),
+    "token_start": pa.int32(),
+    "n_tokens": pa.int32(),
+    "grid_t": pa.int32(),
+    "grid_h": pa.int32(),
+    "grid_w": pa.int32(),
+    "n_images": pa.int32(),
 }
 
 
@@ -101,10 +134,6 @@ def _kind(typ: pa.DataType) -> str | int | None:
 
 
 _KINDS = {c: _kind(t) for c, t in COLUMN_TYPES.items()}
-
-
-def schema_sql() -> str:
-    return resources.files("openforge.reconstruct").joinpath("schema.sql").read_text()
 
 
 def connect(db: str | Path) -> duckdb.DuckDBPyConnection:
@@ -208,12 +237,21 @@ def _fits_double(value: int | float) -> bool:
     return True
 
 
+def _cells(value: Any) -> int:
+    """What a value counts towards a buffer's volume: its elements for a numeric list, a cell per 4 bytes
+    (an id's size) for bytes (an image), else nothing."""
+    if isinstance(value, np.ndarray):
+        return len(value)
+    return len(value) // 4 if isinstance(value, bytes) else 0
+
+
 class Buffer:
     """Rows for one table, flushed as a single Arrow batch (`INSERT ... SELECT` from the batch).
 
-    `cells` counts the numeric list elements held, so callers can flush by volume (bounded memory
-    whatever the prompt length), not only by row count. Rows whose values Arrow cannot convert are left
-    out of the batch and kept in `rejected` with the error, for the caller to report.
+    `cells` counts the numeric list elements (and bytes, 4 to a cell) held, so callers can flush by volume
+    (bounded memory whatever the prompt length or image size), not only by row count. Rows whose values
+    Arrow cannot convert are left out of the batch and kept in `rejected` with the error, for the caller
+    to report.
     """
 
     def __init__(
@@ -239,16 +277,14 @@ class Buffer:
             self.keys.add(values[self.key])
         for c, v in values.items():
             self.rows[c].append(v)
-            if isinstance(v, np.ndarray):
-                self.cells += len(v)
+            self.cells += _cells(v)
         self.n += 1
 
     def truncate(self, n: int) -> None:
         """Drop the rows after the first `n` (those of a record that failed half-way)."""
         for c, values in self.rows.items():
             for v in values[n:]:
-                if isinstance(v, np.ndarray):
-                    self.cells -= len(v)
+                self.cells -= _cells(v)
             if self.key is not None and c == self.key:
                 self.keys.difference_update(values[n:])
             del values[n:]

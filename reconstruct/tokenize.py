@@ -115,6 +115,8 @@ class Retokenizer:
 
     # ---- rendering
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
+        if any(isinstance(m.get("content"), list) for m in messages):
+            messages = [template_parts(m) for m in messages]
         return self.tok.apply_chat_template(
             messages, tools=tools, add_generation_prompt=generation, tokenize=False, chat_template=self.chat_template
         )
@@ -139,6 +141,14 @@ def template_message(msg: dict[str, Any]) -> dict[str, Any]:
     out = dict(msg)
     out["content"] = out.get("content") or ""
     return out
+
+
+def template_parts(msg: dict[str, Any]) -> dict[str, Any]:
+    """A message with images as VL chat templates take it: each image part a bare `{"type": "image"}`."""
+    content = msg.get("content")
+    if not isinstance(content, list):
+        return msg
+    return dict(msg, content=[{"type": "image"} if p["type"] == "image" else p for p in content])
 
 
 def stable_json(obj: Any) -> str:

@@ -187,7 +187,11 @@ def test_run_dying_mid_file_resumes_after_the_last_committed_batch(tmp_path, ret
 def old_database(db: Path, version: str) -> None:
     """Turn a database this reconstruct wrote into one of an older schema version (its columns and tables)."""
     con = duckdb.connect(str(db))
-    for table in ("calls", "samples"):  # added in 5
+    for table in ("sample_images", "call_images", "images"):  # added in 6
+        con.execute(f"DROP TABLE {table}")
+    for column in ("n_images", "processor"):
+        con.execute(f"ALTER TABLE samples DROP COLUMN {column}")
+    for table in ("calls", "samples") if version != "5" else ():  # added in 5
         con.execute(f"ALTER TABLE {table} DROP COLUMN policy_version")
     if version in ("1", "2", "3"):
         con.execute("ALTER TABLE call_tokens ADD COLUMN tools JSON")  # never written since 1
@@ -204,7 +208,7 @@ def old_database(db: Path, version: str) -> None:
     con.close()
 
 
-@pytest.mark.parametrize("version", ["2", "3", "4"])
+@pytest.mark.parametrize("version", ["2", "3", "4", "5"])
 def test_older_schema_databases_are_migrated(tmp_path, retok, version):
     """An older database takes new calls of its episodes and gives the samples a fresh one gives; its calls
     read before have no policy version (their flow files predate it here, as they would there)."""
@@ -248,7 +252,8 @@ def test_database_too_old_to_migrate_is_refused_with_a_rebuild_message(tmp_path,
 
 def test_every_column_is_written(tmp_path, retok):
     """No column or table of the schema is left NULL by every run: calls, a reward and a damaged record fill
-    them all, but `call_tokens.messages`, which holds JSON null only for a call that sent a prompt text."""
+    them all, but `call_tokens.messages`, which holds JSON null only for a call that sent a prompt text, and
+    the images' tables and columns (calls with images: test_reconstruct_vision writes them all)."""
     f = FlowFactory(tmp_path / "flows", seed=4)
     f.policy_version = 0
     f.tool_loop("ep", turns=2, engine_ids=True)
@@ -260,7 +265,8 @@ def test_every_column_is_written(tmp_path, retok):
     columns = db_rows(db, "SELECT table_name t, column_name c FROM information_schema.columns ORDER BY ALL")
     unwritten = [f"{r['t']}.{r['c']}" for r in columns
                  if db_rows(db, f'SELECT count("{r["c"]}") n FROM "{r["t"]}"')[0]["n"] == 0]
-    assert unwritten == ["call_tokens.messages"]
+    vision = [c for c in unwritten if c.split(".")[0] in ("call_images", "images", "sample_images")]
+    assert [c for c in unwritten if c not in vision] == ["call_tokens.messages", "samples.processor"]
 
 
 def test_flow_file_of_another_version_is_a_corrupt_file_not_an_unreadable_one(tmp_path, retok):

@@ -70,6 +70,12 @@ def reconstruct_command(
         None, "--chat-template",
         help="Jinja file with the chat template the engine rendered prompts with, when it is not the tokenizer's own.",
     ),
+    processor: Path | None = typer.Option(
+        None, "--processor",
+        help="Directory of a vision-language model's processor (preprocessor_config.json and the chat template "
+        "that renders images) for calls with images; found in --tokenizer when it has one. Without it such calls "
+        "are skipped.",
+    ),
 ) -> None:
     """Read flow files, rebuild each episode's trajectory tree and write samples, rewards and advantages.
 
@@ -95,15 +101,29 @@ def reconstruct_command(
         fail(f"No such flow file or directory: {', '.join(missing)}")
     if not tokenizer.is_dir():
         fail(f"--tokenizer {tokenizer} is not a directory", hint="give a local Hugging Face tokenizer directory")
+    if processor is not None and not (processor / "preprocessor_config.json").is_file():
+        fail(f"--processor {processor} has no preprocessor_config.json",
+             hint="give the directory of a vision-language model (its image processor and chat template)")
+    if processor is None and (tokenizer / "preprocessor_config.json").is_file():
+        processor = tokenizer
 
     from openforge.reconstruct.api import reconstruct
     from openforge.reconstruct.tokenize import Retokenizer, load_tokenizer
+    from openforge.reconstruct.vision import ProcessorError, Vision
 
     with console.status("Loading tokenizer"):
         try:
             retok = Retokenizer(load_tokenizer(tokenizer))
         except Exception as e:  # noqa: BLE001 - any loader failure is a bad --tokenizer
             fail(f"Cannot load tokenizer from {tokenizer}: {e}")
+    vision = None
+    if processor is not None:
+        with console.status("Loading image processor"):
+            try:
+                template = chat_template.read_text(encoding="utf-8") if chat_template else None
+                vision = Vision.load(processor, Retokenizer(retok.tok, chat_template=template))
+            except (ProcessorError, OSError) as e:
+                fail(str(e))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeRemainingColumn(), console=console) as bar:
         tasks: dict[str, int] = {}
@@ -117,7 +137,8 @@ def reconstruct_command(
             summary = reconstruct(flows, db, retok, rewards=rewards, run=run, missing_reward=policy,
                                   advantage=advantage.value, progress=progress, train_roles=roles,
                                   group_by=group_by.value,
-                                  keep_prompt_mismatch=keep_prompt_mismatch, chat_template=chat_template)
+                                  keep_prompt_mismatch=keep_prompt_mismatch, chat_template=chat_template,
+                                  processor=vision)
         except RewardFileError as e:
             fail(str(e))
         except Exception as e:  # noqa: BLE001 - a sentence, never a traceback (a bad record is skipped, not raised)

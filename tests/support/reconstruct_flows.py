@@ -83,14 +83,18 @@ class FlowFactory:
         toolchain: str = "openai-python",
         finish: str | None = None,
         reported_prompt_tokens: int | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> ExchangeRecord:
         """One Chat Completions exchange whose answer is `assistant` (content, reasoning_content, tool_calls).
 
         `finish="length"`: the engine stopped at max_tokens, so no end-of-turn token was generated.
         `reported_prompt_tokens`: what the engine reports in `usage` (default: the true prompt length).
+        `prompt_ids`: the engine's prompt ids (default: the chat template's render, encoded), e.g. with the
+        image pads a vision-language processor expands.
         """
-        prompt = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        prompt_ids = self.tok.encode(prompt, add_special_tokens=False)
+        if prompt_ids is None:
+            prompt = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            prompt_ids = self.tok.encode(prompt, add_special_tokens=False)
         text = generated_text(assistant.get("reasoning_content", ""), assistant.get("content") or "",
                               assistant.get("tool_calls") or [])
         if finish == "length":
