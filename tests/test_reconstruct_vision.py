@@ -212,7 +212,8 @@ def test_anthropic_image_blocks(tmp_path, pdir, vl_tok, translated):
 
 
 def test_anthropic_screenshot_in_a_tool_result(tmp_path, pdir, vl_tok):
-    """A computer-use loop: the screenshot comes back in a tool_result, which becomes a tool message with parts."""
+    """A computer-use loop: the screenshot comes back in a tool_result; the tool message keeps its text (none
+    here) and the screenshot follows in a user message, as the proxy translates it."""
     f = FlowFactory(tmp_path / "flows", tokenizer=vl_tok)
     shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": base64.b64encode(RED).decode()}}
@@ -225,7 +226,7 @@ def test_anthropic_screenshot_in_a_tool_result(tmp_path, pdir, vl_tok):
     db = build(tmp_path, "flows", qwen_path(), processor=pdir)
     [sample] = db_rows(db, "SELECT sample_id, input_ids FROM samples")
     chat = [{"role": "user", "content": "Take a screenshot"}, {"role": "assistant", "content": ""},
-            {"role": "tool", "content": [image_part(RED)]}]
+            {"role": "tool", "content": ""}, {"role": "user", "content": [image_part(RED)]}]
     prompt = expected_prompt(vl_tok, chat, [RED])
     assert sample["input_ids"][:len(prompt)] == prompt
     check_images(db, sample["sample_id"], [RED], sample["input_ids"])
