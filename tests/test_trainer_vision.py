@@ -21,8 +21,8 @@ from openforge.trainer.model import load_model
 from openforge.trainer.packing import coefficients, make_row
 from openforge.trainer.train import train
 from openforge.trainer.vision import attach_pixels, mrope
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
-from tests.support.trainer_tree import assert_same_step, run_metrics, run_rows
+from tests.support.trainer_samples import make_samples, qwen_tokenizer, train_on_ranks, write_samples
+from tests.support.trainer_tree import assert_same_run, assert_same_step, run_metrics, run_rows
 from tests.support.vision import (
     IMAGE_PAD_ID,
     VISION_END_ID,
@@ -238,3 +238,18 @@ def test_images_are_refused_in_tree_mode_and_for_a_text_only_model(setup, tmp_pa
     assert "tree mode does not train images" in refused(setup, tmp_path, vl_samples(), tree=True)
     message = refused(setup, tmp_path, vl_samples(), model=str(tiny_qwen_dir))
     assert "3 selected samples have images but the model has no vision tower" in message
+
+
+def test_two_gloo_processes_shard_a_vl_model_like_one_process(setup, tmp_path):
+    """FSDP2 wraps the vision blocks too; text-only samples on a VL model train the same on 2 ranks as on 1
+    (a rank short of rows runs an empty one with [4, 1, 2] positions). Images on several ranks are refused."""
+    samples = make_samples(qwen_tokenizer(), 3, seed=1)
+    text_db = write_samples(tmp_path / "text.duckdb", samples)
+    rows = dict(row_tokens=max(len(s["input_ids"]) for s in samples), step_tokens=4096)  # a sample per row
+    one = config(setup, str(tmp_path / "one"), db=text_db, **rows)
+    train(one, say=lambda _: None)
+    two = config(setup, str(tmp_path / "two"), db=text_db, **rows)
+    train_on_ranks(two, world_size=2)
+    assert_same_run(one, two)
+    with pytest.raises(Exception, match="samples with images train on one process only"):
+        train_on_ranks(config(setup, str(tmp_path / "images")), world_size=2)
