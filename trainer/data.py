@@ -9,18 +9,30 @@ Only one global batch of rows is ever held in memory.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
-COLUMNS = "sample_id, episode_id, input_ids, loss_mask, behaviour_logprobs, advantage, reward, weight"
+COLUMNS = ("sample_id, episode_id, input_ids, loss_mask, behaviour_logprobs, advantage, reward, weight, n_images, "
+           "processor")
 ARROW_ROWS = 256  # rows per Arrow record batch fetched from DuckDB
 
 
 class DataError(ValueError):
     """The selected samples cannot be trained on as asked; the message says what to change."""
+
+
+@dataclass
+class SampleImage:
+    """One image of a sample: input_ids[token_start : token_start + n_tokens] are its pad tokens."""
+
+    hash: str                        # images.hash
+    token_start: int
+    n_tokens: int
+    grid: tuple[int, int, int]       # (t, h, w) patches, as recorded by reconstruct
+    pixels: np.ndarray | None = None  # float32 [t * h * w, patch values], set by `vision.attach_pixels`
 
 
 @dataclass
@@ -33,6 +45,8 @@ class Sample:
     advantage: float
     reward: float | None
     weight: float                    # 1 / n_samples of the episode
+    processor: str | None = None     # the image processor's settings (JSON) the grids were computed with
+    images: list[SampleImage] = field(default_factory=list)  # in sequence order
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -56,6 +70,7 @@ class SampleSource:
             raise DataError(f"cannot open DuckDB file {db}: {e}") from None
         self.filter = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
         self.shuffle, self.seed, self.tree = shuffle, seed, tree
+        self.side = self.con.cursor()  # images are read while `samples` streams from the main connection
 
     def __enter__(self) -> SampleSource:
         return self
@@ -65,6 +80,7 @@ class SampleSource:
 
     def close(self) -> None:
         """Release the database (a forked or later process may then open it afresh)."""
+        self.side.close()
         self.con.close()
 
     def _order(self, epoch: int) -> str:
@@ -76,8 +92,11 @@ class SampleSource:
         return f"hash(sample_id || ':{self.seed}:{epoch}'), sample_id"
 
     def scalar(self, sql: str) -> tuple:
+        return self.rows(sql)[0]
+
+    def rows(self, sql: str) -> list[tuple]:
         try:
-            return self.con.execute(sql).fetchall()[0]  # fetchall completes the result: the connection is free
+            return self.con.execute(sql).fetchall()  # fetchall completes the result: the connection is free
         except duckdb.Error as e:
             raise DataError(f"selection failed: {e}\n(the --where filter is SQL on the samples table)") from None
 
@@ -141,6 +160,54 @@ class SampleSource:
                                 f"{' ...' if count > 5 else ''}. {fix}")
         return n
 
+    def check_images(self, image_token_id: int | None, tree: bool) -> int:
+        """Refuse, before step 1 and naming samples, image records that disagree with the tokens (the vision
+        tower's output would land on other tokens, or not fit); returns how many selected samples have images.
+
+        `image_token_id`: the model's image pad token, None for a text-only model. The processed grids are
+        checked against the image bytes by `vision.check_pixels`."""
+        (n,) = self.scalar(f"SELECT count(*) FILTER (n_images > 0) FROM samples WHERE {self.filter}")
+        leave_out = "(--where 'n_images = 0')"
+        if n and image_token_id is None:
+            raise DataError(f"{n} selected samples have images but the model has no vision tower. Train a "
+                            f"vision-language model, or leave them out {leave_out}.")
+        if n and tree:
+            raise DataError(f"{n} selected samples have images: tree mode does not train images yet. Train "
+                            f"without --tree, or leave them out {leave_out}.")
+        if image_token_id is None:
+            return 0
+        pad = int(image_token_id)
+        rebuild = "Re-run `openforge reconstruct`, or leave them out with --where."
+        per_image = {  # (SQL condition on one sample_images row joined with its sample, what is wrong)
+            "i.hash NOT IN (SELECT hash FROM images)": "refer to images missing from the images table",
+            "i.token_start < 0 OR i.n_tokens < 1 OR i.token_start + i.n_tokens > len(s.input_ids)":
+                "have an image whose tokens lie outside input_ids",
+            "s.merge IS NULL OR i.n_tokens * s.merge * s.merge <> i.grid_t * i.grid_h * i.grid_w":
+                "have an image whose n_tokens is not grid_t * grid_h * grid_w / merge_size^2 (merge_size of "
+                "their processor settings)",
+            f"list_bool_or(list_transform(s.input_ids[i.token_start + 1:i.token_start + i.n_tokens], "
+            f"lambda t: t <> {pad}))": f"have image positions holding other tokens than the image pad ({pad})",
+        }
+        per_sample = {
+            "s.n_images > 0 AND s.processor IS NULL": "have images but no processor settings",
+            "s.n_images <> coalesce(i.n, 0)": "have n_images different from their rows in sample_images",
+            f"len(list_filter(s.input_ids, lambda t: t = {pad})) <> coalesce(i.pads, 0)":
+                f"have image pad tokens ({pad}) that are not exactly their images' tokens",
+        }
+        selected = (f"SELECT sample_id, input_ids, n_images, processor, TRY_CAST(json_extract(processor, "
+                    f"'$.merge_size') AS INTEGER) AS merge FROM samples WHERE {self.filter}")
+        queries = [(f"SELECT DISTINCT s.sample_id FROM ({selected}) s JOIN sample_images i USING (sample_id) "
+                    f"WHERE coalesce({c}, false)", problem) for c, problem in per_image.items()]
+        queries += [(f"SELECT s.sample_id FROM ({selected}) s LEFT JOIN (SELECT sample_id, count(*) AS n, "
+                     f"sum(n_tokens) AS pads FROM sample_images GROUP BY sample_id) i USING (sample_id) WHERE {c}",
+                     problem) for c, problem in per_sample.items()]
+        for query, problem in queries:
+            ids = [r[0] for r in self.rows(f"{query} ORDER BY 1")]
+            if ids:
+                raise DataError(f"{len(ids)} selected samples {problem}: {', '.join(ids[:5])}"
+                                f"{' ...' if len(ids) > 5 else ''}. {rebuild}")
+        return n
+
     def vocab_sizes(self) -> list[tuple[int, str]]:
         return self.con.execute(
             f"SELECT DISTINCT vocab_size, tokenizer FROM samples WHERE {self.filter} ORDER BY 1"
@@ -161,7 +228,27 @@ class SampleSource:
             f"ORDER BY {self._order(epoch)} OFFSET {int(offset)}"
         ).to_arrow_reader(ARROW_ROWS)
         for batch in reader:
-            yield from _to_samples(batch)
+            samples = list(_to_samples(batch))
+            with_images = batch.column("n_images").to_numpy(zero_copy_only=False) > 0
+            self._add_images([s for s, has in zip(samples, with_images) if has])
+            yield from samples
+
+    def _add_images(self, samples: list[Sample]) -> None:
+        """The image records (not the bytes) of samples with images, one query per record batch."""
+        by_id = {s.sample_id: s for s in samples}
+        if not by_id:
+            return
+        rows = self.side.execute(
+            "SELECT sample_id, hash, token_start, n_tokens, grid_t, grid_h, grid_w FROM sample_images "
+            "WHERE sample_id IN (SELECT unnest(?)) ORDER BY sample_id, token_start", [list(by_id)]
+        ).fetchall()
+        for sid, digest, start, n, t, h, w in rows:
+            by_id[sid].images.append(SampleImage(digest, start, n, (t, h, w)))
+
+    def image_bytes(self, hashes: list[str]) -> dict[str, bytes]:
+        """The stored bytes of these images (only those a batch needs are ever read)."""
+        return dict(self.side.execute(
+            "SELECT hash, data FROM images WHERE hash IN (SELECT unnest(?))", [hashes]).fetchall())
 
     def batches(self, step_tokens: int, start: Position, epochs: int) -> Iterator[tuple[list[Sample], Position]]:
         """Global batches of at most `step_tokens` tokens, each with the position after it."""
@@ -208,8 +295,9 @@ def _to_samples(batch: pa.RecordBatch) -> Iterator[Sample]:
     advantages = cols["advantage"].to_pylist()
     rewards = cols["reward"].to_pylist()
     weights = cols["weight"].to_pylist()
+    processors = cols["processor"].to_pylist()
     for i, sid in enumerate(sample_ids):
         mask = masks[i].astype(bool)
         mask[0] = False  # the first token has no prediction; in a packed row it would see the previous sample
         yield Sample(sid, episode_ids[i], ids[i], mask, logprobs[i],
-                     advantages[i] if advantages[i] is not None else 0.0, rewards[i], weights[i])
+                     advantages[i] if advantages[i] is not None else 0.0, rewards[i], weights[i], processors[i])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from openforge.trainer.data import DataError
@@ -17,7 +17,9 @@ def load_model(path: str, device: torch.device, grad_checkpointing: bool = False
                ) -> torch.nn.Module:
     """fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast/FSDP.
 
-    Tree mode passes a [B, 1, T, T] boolean mask: sdpa takes it as is (flash-attention takes none)."""
+    A config with a vision config (Qwen2.5-VL, Qwen3-VL) loads the whole vision-language model, vision
+    tower included. Tree mode passes a [B, 1, T, T] boolean mask: sdpa takes it as is (flash-attention
+    takes none)."""
     if not (Path(path) / "config.json").is_file():
         raise DataError(f"--model {path} is not a Hugging Face model directory (no config.json)")
     attn = "sdpa"
@@ -27,7 +29,8 @@ def load_model(path: str, device: torch.device, grad_checkpointing: bool = False
             attn = "flash_attention_2"
         except ImportError:
             pass
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    auto = AutoModelForImageTextToText if vl_config(path) is not None else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     model.config.use_cache = False
     if grad_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -37,9 +40,18 @@ def load_model(path: str, device: torch.device, grad_checkpointing: bool = False
     return model.to(device)
 
 
-# What makes a tokenizer in a HF directory: copied verbatim into checkpoints so engines load them as-is.
+def vl_config(path: str) -> PretrainedConfig | None:
+    """A vision-language model's config (its image_token_id, the image pad its vision tower's output replaces,
+    and its vision_config); None for a text-only model."""
+    config = AutoConfig.from_pretrained(path)
+    return config if getattr(config, "vision_config", None) is not None else None
+
+
+# What makes a tokenizer (and a vision-language model's processor) in a HF directory: copied verbatim into
+# checkpoints so engines load them as-is.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def tokenizer_files(path: str | Path) -> list[Path]:
@@ -88,7 +100,8 @@ def check_vocab(model_path: str, sample_vocabs: list[tuple[int, str]]) -> int:
 
 
 def shard_model(model: torch.nn.Module, device: torch.device) -> None:
-    """FSDP2: each transformer block, then the root. bf16 compute on CUDA, fp32 gradient reduction."""
+    """FSDP2: each transformer block (a vision-language model's vision blocks too), then the root. bf16
+    compute on CUDA, fp32 gradient reduction."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if device.type == "cuda" else MixedPrecisionPolicy()
     block_types = tuple(getattr(model, "_no_split_modules", None) or ())

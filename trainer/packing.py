@@ -12,6 +12,7 @@ rows of all ranks is the batch loss, whatever the packing and the number of rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,11 +20,13 @@ import torch
 
 from openforge.trainer.data import Sample
 
+MRope = Callable[[Sample], np.ndarray]  # a sample -> its [3, n] (temporal, height, width) rope positions
+
 
 @dataclass
 class Row:
     input_ids: torch.Tensor        # long [B, T]
-    position_ids: torch.Tensor     # long [B, T]
+    position_ids: torch.Tensor     # long [B, T]; [4, B, T] for a vision-language model (text, then t/h/w rope)
     attention_mask: torch.Tensor | None  # long [B, T] for padded rows; None for packed (positions say it);
                                          # bool [1, 1, T, T] for tree rows (True: the key is self or an ancestor)
     loss_mask: torch.Tensor        # bool [B, T]
@@ -35,12 +38,20 @@ class Row:
                                    # shared node once per sample through it)
     parent: torch.Tensor | None = None  # long [1, T], tree rows only: the position whose logits predict each
                                         # token (-1 for a root); chain rows: position i-1 predicts i
+    pixel_values: torch.Tensor | None = None    # float [patches, patch values]: the row's images in sequence order
+    image_grid_thw: torch.Tensor | None = None  # long [images, 3]; None when the row has no image
 
     def to(self, device: torch.device) -> Row:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Row(move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.loss_mask),
                    move(self.behaviour), move(self.has_behaviour), move(self.advantage), move(self.coef), self.n_real,
-                   move(self.parent))
+                   move(self.parent), move(self.pixel_values), move(self.image_grid_thw))
+
+    def images(self) -> dict[str, torch.Tensor]:
+        """The forward's image arguments: none for a row without images."""
+        if self.pixel_values is None:
+            return {}
+        return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
 
 
 def coefficients(batch: list[Sample], aggregation: str) -> dict[str, float]:
@@ -104,17 +115,26 @@ def plan_rows(samples: list[Sample], row_tokens: int, packing: bool) -> list[lis
     return rows
 
 
-def make_row(samples: list[Sample], coef: dict[str, float], packing: bool) -> Row:
-    """Tensors for one forward pass; an empty list gives a two-token row that trains nothing."""
+def make_row(samples: list[Sample], coef: dict[str, float], packing: bool, rope: MRope | None = None) -> Row:
+    """Tensors for one forward pass; an empty list gives a two-token row that trains nothing.
+
+    `rope` (vision-language models, `vision.mrope`): position ids become [4, B, T], the text positions
+    (which make the packing mask) followed by the sample's 3D rope positions."""
     if not samples:
         one = torch.zeros(1, 2)
-        return Row(one.long(), one.long(), None, one.bool(), one, one.bool(), one, one, 0)
+        pos = one.long() if rope is None else torch.zeros(4, 1, 2, dtype=torch.long)
+        return Row(one.long(), pos, None, one.bool(), one, one.bool(), one, one, 0)
+    images = [im for s in samples for im in s.images]  # sequence order, as the model scatters them
+    pixels = torch.from_numpy(np.concatenate([im.pixels for im in images])) if images else None
+    grids = torch.tensor([im.grid for im in images]) if images else None
     if packing:
         cat = lambda xs: torch.from_numpy(np.concatenate(xs))[None]  # noqa: E731
         parts = [_sample_arrays(s, coef[s.sample_id]) for s in samples]
         ids, mask, beh, has_beh, adv, cf = (cat([p[k] for p in parts]) for k in range(6))
         pos = cat([np.arange(len(s)) for s in samples])
-        return Row(ids, pos, None, mask, beh, has_beh, adv, cf, ids.shape[1])
+        if rope is not None:
+            pos = torch.cat([pos[None], torch.from_numpy(np.concatenate([rope(s) for s in samples], 1))[:, None]])
+        return Row(ids, pos, None, mask, beh, has_beh, adv, cf, ids.shape[1], None, pixels, grids)
     width = max(len(s) for s in samples)
     padded = []
     for s in samples:
@@ -124,7 +144,10 @@ def make_row(samples: list[Sample], coef: dict[str, float], packing: bool) -> Ro
     ids, mask, beh, has_beh, adv, cf = (torch.from_numpy(np.stack([p[k] for p in padded])) for k in range(6))
     attn = torch.from_numpy(np.stack([np.arange(width) < len(s) for s in samples])).long()
     pos = torch.arange(width).expand(len(samples), width).clone()
-    return Row(ids, pos, attn, mask, beh, has_beh, adv, cf, sum(len(s) for s in samples))
+    if rope is not None:
+        spatial = np.stack([np.pad(rope(s), ((0, 0), (0, width - len(s)))) for s in samples], 1)  # [3, B, T]
+        pos = torch.cat([pos[None], torch.from_numpy(spatial)])
+    return Row(ids, pos, attn, mask, beh, has_beh, adv, cf, sum(len(s) for s in samples), None, pixels, grids)
 
 
 def _sample_arrays(s: Sample, coef: float) -> tuple[np.ndarray, ...]:

@@ -23,9 +23,10 @@ from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
-from openforge.trainer.model import check_vocab, load_model, shard_model
-from openforge.trainer.packing import Row, coefficients, make_row, plan_rows, rank_share
+from openforge.trainer.model import check_vocab, load_model, shard_model, vl_config
+from openforge.trainer.packing import MRope, Row, coefficients, make_row, plan_rows, rank_share
 from openforge.trainer.tree import tree_rows
+from openforge.trainer.vision import attach_pixels, check_pixels, mrope
 
 
 def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +41,7 @@ def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int) -> tuple[torch
     with autocast:
         # use_cache=False matters: with a cache, transformers ignores restarting position ids (no packing mask)
         out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
-                    use_cache=False, output_hidden_states=True, logits_to_keep=positions[:0])
+                    use_cache=False, output_hidden_states=True, logits_to_keep=positions[:0], **row.images())
         hidden = out.hidden_states[-1][:, positions]  # the last one is after the final norm
         return target_logprobs(hidden, model.get_output_embeddings(), row, positions, chunk)
 
@@ -91,7 +92,14 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     n_samples = source.check(cfg.row_tokens, check_vocab(model_dir, source.vocab_sizes()),
                              needs_logprobs=ppo and not recompute, needs_advantage=ppo,
                              needs_weight=cfg.aggregation == "episode-mean")
+    vl = vl_config(model_dir)
+    if source.check_images(vl.image_token_id if vl else None, cfg.tree):
+        if world_size > 1:  # a rank whose rows hold no image would skip the sharded vision tower's collectives
+            raise DataError("samples with images train on one process only for now: run without torchrun, "
+                            "or leave them out (--where 'n_images = 0').")
+        check_pixels(source, vl.vision_config)
     model = load_model(model_dir, device, cfg.grad_checkpointing, cfg.tree)
+    rope = mrope(model)
     ref = None
     if cfg.kl_coef > 0:
         ref = load_model(cfg.ref_model or cfg.model, device, tree=cfg.tree).eval().requires_grad_(False)
@@ -120,9 +128,12 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             # --- one optimizer step on one global batch
             t0 = time.perf_counter()
             coef = coefficients(batch, cfg.aggregation)
-            mine = rows_of(rank_share(batch, rank, world_size, by_episode=cfg.tree), coef, cfg)
+            share = rank_share(batch, rank, world_size, by_episode=cfg.tree)
+            attach_pixels(source, share)
+            mine = rows_of(share, coef, cfg, rope)
             n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
-            rows = [(mine[i] if i < len(mine) else make_row([], coef, cfg.packing)).to(device) for i in range(n_rows)]
+            rows = [(mine[i] if i < len(mine) else make_row([], coef, cfg.packing, rope)).to(device)
+                    for i in range(n_rows)]
             old = [old_logprobs(model, row, cfg.logit_chunk) if recompute else None for row in rows]  # before updating
             sums, is_max = Counter(), 0.0
             for row, old_logp in zip(rows, old):
@@ -155,11 +166,13 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     return final
 
 
-def rows_of(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig) -> list[Row]:
-    """This rank's rows: packed (or padded) samples, or in tree mode their token tree."""
+def rows_of(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig, rope: MRope | None = None
+            ) -> list[Row]:
+    """This rank's rows: packed (or padded) samples, or in tree mode their token tree (text only); `rope`
+    for a vision-language model (`vision.mrope`)."""
     if cfg.tree:
         return tree_rows(samples, coef, cfg.row_tokens)
-    return [make_row(group, coef, cfg.packing) for group in plan_rows(samples, cfg.row_tokens, cfg.packing)]
+    return [make_row(group, coef, cfg.packing, rope) for group in plan_rows(samples, cfg.row_tokens, cfg.packing)]
 
 
 def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:

@@ -145,7 +145,9 @@ def write_samples(db: Path, samples: list[dict], tokenizer_name: str = "qwen3", 
     con.execute(SCHEMA.read_text())
     for s in samples:
         con.execute(
-            "INSERT INTO samples VALUES "
+            "INSERT INTO samples (sample_id, episode_id, run_id, task_id, tokenizer, vocab_size, token_source, "
+            "input_ids, loss_mask, behaviour_logprobs, n_tokens, n_trainable, n_calls, reward, advantage, weight, "
+            "created_at, role, toolchain, policy_version) VALUES "
             "(?, ?, 'run1', 'task1', ?, ?, 'engine', ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, 'agent', 'test', 0)",
             [s["sample_id"], s["episode_id"], tokenizer_name, vocab_size, s["input_ids"], s["loss_mask"],
              s["behaviour_logprobs"], s.get("n_tokens", len(s["input_ids"])),
