@@ -5,6 +5,10 @@ cell of the colour the first user message names, and calls the request's tool on
 cell's centre: `click` gets `{"x", "y"}`, the computer-use tool `{"action": "left_click", "coordinate"}`.
 After a tool call it answers "Done.". A wrong click can only come from a wrong or missing image, so a
 solved task proves the screenshot reached the engine intact.
+
+With an `image_processor` it counts and returns prompt ids as a vision-language engine does (vLLM serving a
+Qwen-VL model): its tokenizer's chat template renders the request's image parts, and each image's pad token
+is repeated grid_t * grid_h * grid_w / merge_size**2 times for the grid the image processor gives it.
 """
 
 from __future__ import annotations
@@ -49,13 +53,40 @@ def centre_of(png: bytes, rgb: tuple[int, int, int]) -> tuple[int, int] | None:
 class GuiEngine(ScriptedEngine):
     """`with GuiEngine() as eng:` a scripted engine that clicks the asked-for cell of the screenshot."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, image_processor: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._seen = threading.local()  # the image of the request this handler thread is answering
+        self.image_processor = image_processor
+        self._seen = threading.local()  # the request this handler thread is answering
 
     def _chat(self, h: Any, body: dict[str, Any]) -> None:
         self._seen.image = last_image(body)
+        self._seen.messages = body.get("messages") or []
         super()._chat(h, body)
+
+    def prompt_ids(self, conv: Conversation) -> list[int]:
+        if self.image_processor is None:
+            return super().prompt_ids(conv)
+        messages, images = [], []
+        for m in self._seen.messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    found = _DATA_URL.match((part.get("image_url") or {}).get("url") or "")
+                    if found:
+                        images.append(Image.open(io.BytesIO(base64.b64decode(found[1]))))
+                        parts.append({"type": "image"})
+                    else:
+                        parts.append({"type": "text", "text": part.get("text") or ""})
+                m = {**m, "content": parts}
+            messages.append(m)
+        text = self._tok("apply_chat_template", messages, tools=conv.tools or None, add_generation_prompt=True,
+                         tokenize=False)
+        grids = self.image_processor(images=images)["image_grid_thw"].tolist() if images else []
+        merge = self.image_processor.merge_size ** 2
+        for t, h, w in grids:
+            text = text.replace("<|image_pad|>", "<|placeholder|>" * (t * h * w // merge), 1)
+        return self.encode(text.replace("<|placeholder|>", "<|image_pad|>"))
 
     def reply(self, conv: Conversation) -> Reply:
         msgs = conv.messages

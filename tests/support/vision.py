@@ -1,8 +1,9 @@
 """A real Qwen2-VL image processor and a tiny Qwen2.5-VL-shaped model, built locally (no hub).
 
 The processor directory is what a user's VL model directory holds for reconstruct: the image processor's
-`preprocessor_config.json`, the real Qwen3 tokenizer (it has the vision tokens) and a Qwen2-VL-style chat
-template that renders each image part as `<|vision_start|><|image_pad|><|vision_end|>`.
+`preprocessor_config.json`, the real Qwen3 tokenizer (it has the vision tokens) and a chat template that
+renders each image part as `<|vision_start|><|image_pad|><|vision_end|>`: Qwen2-VL's (no tools; each turn
+extends the last one's tokens), or Qwen3's made VL as Qwen3-VL's is (tools and tool calls).
 Screenshots are small so every image is a few placeholder tokens: 112x112 px -> grid 1x8x8 -> 16 tokens.
 """
 
@@ -27,6 +28,28 @@ VL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Image parts as Qwen3-VL's chat template renders them: each image part -> vision start, one image pad,
+# vision end (the processor's expansion turns the pad into grid_t * grid_h * grid_w / merge_size**2 pads).
+_RENDER_CONTENT = (
+    "{%- macro render_content(content) -%}{%- if content is string -%}{{- content -}}"
+    "{%- elif content is iterable -%}{%- for item in content -%}"
+    "{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif 'text' in item -%}{{- item.text -}}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+)
+
+
+def qwen3_vl_chat_template() -> str:
+    """The real Qwen3 template with each message's content rendered through `render_content` (what Qwen3-VL's
+    template does): text-only conversations render exactly as Qwen3's own, tools and tool calls included (and,
+    as Qwen3's, earlier turns without their reasoning, so an agent's calls do not extend each other's tokens)."""
+    import json
+
+    qwen3 = json.loads((Path(qwen_path()) / "tokenizer_config.json").read_text())["chat_template"]
+    return _RENDER_CONTENT + qwen3.replace("messages[0].content", "render_content(messages[0].content)").replace(
+        "message.content", "render_content(message.content)")
+
+
 IMAGE_PAD_ID, VISION_START_ID, VISION_END_ID, VIDEO_PAD_ID = 151655, 151652, 151653, 151656
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
@@ -38,18 +61,18 @@ def image_processor():  # a transformers Qwen2VLImageProcessorPil
     return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
-def processor_dir(path: Path) -> Path:
-    """A VL processor directory: preprocessor_config.json + the Qwen3 tokenizer files + the VL chat template."""
+def processor_dir(path: Path, chat_template: str = VL_CHAT_TEMPLATE) -> Path:
+    """A VL processor directory: preprocessor_config.json + the Qwen3 tokenizer files + a VL chat template."""
     path.mkdir(parents=True, exist_ok=True)
     image_processor().save_pretrained(path)
     for f in Path(qwen_path()).iterdir():
         if f.is_file():
             shutil.copy(f, path / f.name)
-    (path / "chat_template.jinja").write_text(VL_CHAT_TEMPLATE)
+    (path / "chat_template.jinja").write_text(chat_template)
     return path
 
 
-def tiny_vl_model_dir(path: Path, seed: int = 0) -> Path:
+def tiny_vl_model_dir(path: Path, seed: int = 0, chat_template: str = VL_CHAT_TEMPLATE) -> Path:
     """A randomly initialised Qwen2.5-VL-shaped model (~10M parameters, the Qwen3 vocabulary) with its
     processor files beside it, saved as a Hugging Face directory."""
     import torch
@@ -67,7 +90,7 @@ def tiny_vl_model_dir(path: Path, seed: int = 0) -> Path:
         vision_end_token_id=VISION_END_ID,
     )
     Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
-    return processor_dir(path)
+    return processor_dir(path, chat_template)
 
 
 def screenshot(text: str = "OK", size: tuple[int, int] = (112, 112), color: str = "white") -> bytes:
