@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
 from openforge.trainer.packing import Row, coefficients, make_row, plan_rows
@@ -212,6 +213,7 @@ def main() -> None:
                    help="captured flow files whose lengths shape the tree-mode corpus")
     args = p.parse_args()
 
+    return_freed_memory()  # as train() does: peak RSS counts what the trainer would hold
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
