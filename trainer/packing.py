@@ -134,7 +134,7 @@ def make_row(samples: list[Sample], coef: dict[str, float], packing: bool, rope:
         pos = cat([np.arange(len(s)) for s in samples])
         if rope is not None:
             pos = torch.cat([pos[None], torch.from_numpy(np.concatenate([rope(s) for s in samples], 1))[:, None]])
-        return Row(ids, pos, None, mask, beh, has_beh, adv, cf, ids.shape[1], None, pixels, grids)
+        return Row(ids, pos, None, mask, beh, has_beh, adv, cf, trained_tokens(samples), None, pixels, grids)
     width = max(len(s) for s in samples)
     padded = []
     for s in samples:
@@ -147,7 +147,12 @@ def make_row(samples: list[Sample], coef: dict[str, float], packing: bool, rope:
     if rope is not None:
         spatial = np.stack([np.pad(rope(s), ((0, 0), (0, width - len(s)))) for s in samples], 1)  # [3, B, T]
         pos = torch.cat([pos[None], torch.from_numpy(spatial)])
-    return Row(ids, pos, attn, mask, beh, has_beh, adv, cf, sum(len(s) for s in samples), None, pixels, grids)
+    return Row(ids, pos, attn, mask, beh, has_beh, adv, cf, trained_tokens(samples), None, pixels, grids)
+
+
+def trained_tokens(samples: list[Sample]) -> int:
+    """Tokens of the samples that train (a row's `vision.idle_sample` does not)."""
+    return sum(len(s) for s in samples if s.loss_mask.any())
 
 
 def _sample_arrays(s: Sample, coef: float) -> tuple[np.ndarray, ...]:

@@ -26,7 +26,7 @@ from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
 from openforge.trainer.model import check_vocab, load_model, shard_model, vl_config
 from openforge.trainer.packing import MRope, Row, coefficients, make_row, plan_rows, rank_share
 from openforge.trainer.tree import tree_rows
-from openforge.trainer.vision import attach_pixels, check_pixels, mrope
+from openforge.trainer.vision import attach_pixels, check_pixels, idle_sample, mrope
 
 
 def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,13 +93,12 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
                              needs_logprobs=ppo and not recompute, needs_advantage=ppo,
                              needs_weight=cfg.aggregation == "episode-mean")
     vl = vl_config(model_dir)
-    if source.check_images(vl.image_token_id if vl else None, cfg.tree):
-        if world_size > 1:  # a rank whose rows hold no image would skip the sharded vision tower's collectives
-            raise DataError("samples with images train on one process only for now: run without torchrun, "
-                            "or leave them out (--where 'n_images = 0').")
+    images = source.check_images(vl.image_token_id if vl else None, cfg.tree)
+    if images:
         check_pixels(source, vl.vision_config)
     model = load_model(model_dir, device, cfg.grad_checkpointing, cfg.tree)
     rope = mrope(model)
+    idle = idle_sample(model.config) if images and world_size > 1 else None  # every pass runs the vision tower
     ref = None
     if cfg.kl_coef > 0:
         ref = load_model(cfg.ref_model or cfg.model, device, tree=cfg.tree).eval().requires_grad_(False)
@@ -127,13 +126,13 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
                 break
             # --- one optimizer step on one global batch
             t0 = time.perf_counter()
-            coef = coefficients(batch, cfg.aggregation)
+            coef = coefficients(batch, cfg.aggregation) | ({idle.sample_id: 0.0} if idle else {})
             share = rank_share(batch, rank, world_size, by_episode=cfg.tree)
             attach_pixels(source, share)
-            mine = rows_of(share, coef, cfg, rope)
+            mine = rows_of(share, coef, cfg, rope, idle)
             n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
-            rows = [(mine[i] if i < len(mine) else make_row([], coef, cfg.packing, rope)).to(device)
-                    for i in range(n_rows)]
+            rows = [(mine[i] if i < len(mine) else make_row([idle] if idle else [], coef, cfg.packing, rope)
+                     ).to(device) for i in range(n_rows)]
             old = [old_logprobs(model, row, cfg.logit_chunk) if recompute else None for row in rows]  # before updating
             sums, is_max = Counter(), 0.0
             for row, old_logp in zip(rows, old):
@@ -166,13 +165,17 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     return final
 
 
-def rows_of(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig, rope: MRope | None = None
-            ) -> list[Row]:
+def rows_of(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig, rope: MRope | None = None,
+            idle: Sample | None = None) -> list[Row]:
     """This rank's rows: packed (or padded) samples, or in tree mode their token tree (text only); `rope`
-    for a vision-language model (`vision.mrope`)."""
+    for a vision-language model (`vision.mrope`); `idle` (`vision.idle_sample`) joins every row without an
+    image when several ranks train images."""
     if cfg.tree:
         return tree_rows(samples, coef, cfg.row_tokens)
-    return [make_row(group, coef, cfg.packing, rope) for group in plan_rows(samples, cfg.row_tokens, cfg.packing)]
+    groups = plan_rows(samples, cfg.row_tokens, cfg.packing)
+    if idle is not None:
+        groups = [group if any(s.images for s in group) else [*group, idle] for group in groups]
+    return [make_row(group, coef, cfg.packing, rope) for group in groups]
 
 
 def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from openforge.trainer.data import DataError, Sample, SampleSource
+from openforge.trainer.data import DataError, Sample, SampleImage, SampleSource
 from openforge.trainer.packing import MRope
 
 if TYPE_CHECKING:
@@ -133,3 +133,17 @@ def mrope(model: torch.nn.Module) -> MRope | None:
         return pos[:, 0].numpy()
 
     return positions
+
+
+def idle_sample(config: PretrainedConfig) -> Sample:
+    """An image segment that trains nothing, for the rows without an image when several ranks train images.
+
+    FSDP2 shards the vision tower's blocks, so each pass gathers their weights on every rank together: every
+    rank must run the tower in every pass. This segment (vision start, one image pad, vision end: a black
+    image of one merged patch) is packed apart from the row's samples, so nothing computed from it reaches a
+    loss and the tower's gradients from it are zero."""
+    v, merge = config.vision_config, config.vision_config.spatial_merge_size
+    ids = np.array([config.vision_start_token_id, config.image_token_id, config.vision_end_token_id])
+    pixels = np.zeros((merge * merge, v.in_channels * v.temporal_patch_size * v.patch_size ** 2), np.float32)
+    image = SampleImage("(idle)", 1, 1, (1, merge, merge), pixels)
+    return Sample("(idle)", "(idle)", ids, np.zeros(len(ids), bool), None, 0.0, None, 0.0, images=[image])
