@@ -12,6 +12,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from openforge.reconstruct.store import SCHEMA_VERSION
+
 FORMATS = ("parquet", "verl", "slime", "trl")
 BATCH_ROWS = 256  # rows per Arrow record batch fetched from DuckDB
 SLIME_FILE_ROWS = 256  # samples per slime rollout file (whole groups: a file may hold more)
@@ -24,11 +26,20 @@ class ExportError(ValueError):
     """The export cannot be written as asked; the message says what to change."""
 
 
-def selection_sql(where: str, group_by: str) -> str:
+# A sample's images in sequence order, each with where its pad tokens sit and its bytes (stored once per image
+# in DuckDB, repeated per sample in the export so each row stands alone).
+IMAGES_SQL = """
+    (SELECT list({'hash': i.hash, 'token_start': i.token_start, 'n_tokens': i.n_tokens, 'grid_t': i.grid_t,
+                  'grid_h': i.grid_h, 'grid_w': i.grid_w, 'data': b.data} ORDER BY i.idx)
+     FROM sample_images i JOIN images b USING (hash) WHERE i.sample_id = g.sample_id)"""
+
+
+def selection_sql(where: str, group_by: str, images: bool = False) -> str:
     """The selected samples in group order, each with its GRPO group as reconstruct/rewards.py advantage_sql
     forms it: the task (no task: the run), and the toolchain under `task-toolchain`, within the episode's
-    policy version (the lowest of its calls)."""
+    policy version (the lowest of its calls). `images`: with each sample's images (`IMAGES_SQL`)."""
     selected = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
+    image_columns = f", processor, {IMAGES_SQL} AS images" if images else ""
     group = ("coalesce('task:' || s.task_id, 'run:' || coalesce(s.run_id, ''))"
              + (" || '/' || coalesce(e.toolchain, '')" if group_by == "task-toolchain" else "")
              + " || '@v' || coalesce(CAST(v.policy_version AS VARCHAR), '?')")
@@ -44,7 +55,7 @@ def selection_sql(where: str, group_by: str) -> str:
            vocab_size, n_tokens, n_trainable, n_calls, reward, advantage, weight, group_id,
            CAST(dense_rank() OVER (ORDER BY group_id) - 1 AS BIGINT) AS group_index,
            CAST(dense_rank() OVER (ORDER BY group_id, episode_id) - 1 AS BIGINT) AS episode_index,
-           input_ids, loss_mask, behaviour_logprobs
+           input_ids, loss_mask, behaviour_logprobs, n_images{image_columns}
     FROM g ORDER BY group_id, episode_id, sample_id
     """
 
@@ -137,7 +148,9 @@ SCHEMAS = {
         ("n_tokens", pa.int32()), ("n_trainable", pa.int32()), ("n_calls", pa.int32()), ("reward", pa.float64()),
         ("advantage", pa.float64()), ("weight", pa.float64()), ("group_id", pa.string()),
         ("group_index", pa.int64()), ("input_ids", IDS), ("loss_mask", MASK), ("behaviour_logprobs", FLOATS),
-        *SPANS]),
+        *SPANS, ("n_images", pa.int32()), ("processor", pa.string()), ("images", pa.list_(pa.struct([
+            ("hash", pa.string()), ("token_start", pa.int32()), ("n_tokens", pa.int32()), ("grid_t", pa.int32()),
+            ("grid_h", pa.int32()), ("grid_w", pa.int32()), ("data", pa.binary())])))]),
     "verl": pa.schema([
         ("uid", pa.string()), ("prompts", IDS), ("responses", IDS), ("input_ids", IDS), ("attention_mask", MASK),
         ("position_ids", IDS), ("response_mask", MASK), ("rollout_log_probs", FLOATS),
@@ -156,7 +169,7 @@ def first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0]
 
 
-def open_selection(db: Path, where: str) -> tuple[duckdb.DuckDBPyConnection, str, int]:
+def open_selection(db: Path, where: str, fmt: str) -> tuple[duckdb.DuckDBPyConnection, str, int]:
     """A read-only connection, the selection's SQL and its row count; refuses what cannot be exported."""
     if not db.is_file():
         raise ExportError(f"no database at {db}")
@@ -166,14 +179,23 @@ def open_selection(db: Path, where: str) -> tuple[duckdb.DuckDBPyConnection, str
         raise ExportError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
     try:
         meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
-        sql = selection_sql(where, meta.get("group_by", "task"))
-        (n,) = con.execute(f"SELECT count(*) FROM ({sql})").fetchall()[0]
+        if meta.get("schema_version") != SCHEMA_VERSION:
+            con.close()
+            raise ExportError(f"{db} has schema version {meta.get('schema_version')}, this export reads "
+                              f"{SCHEMA_VERSION}: run `openforge reconstruct` on it once (it migrates the database)")
+        sql = selection_sql(where, meta.get("group_by", "task"), images=fmt == "parquet")
+        n, with_images = con.execute(f"SELECT count(*), count(*) FILTER (n_images > 0) FROM ({sql})").fetchall()[0]
     except duckdb.Error as e:
         con.close()
         raise ExportError(f"selection failed: {first_line(e)} (--where is SQL on the samples table)") from None
     if n == 0:
         con.close()
         raise ExportError(f"no samples selected (n_trainable > 0{f' AND ({where})' if where.strip() else ''})")
+    if with_images and fmt != "parquet":  # their image pads without the pixels would train on nothing
+        con.close()
+        raise ExportError(f"{with_images} of the {n} selected samples have images, which the {fmt} format does "
+                          "not carry: export them with --format parquet (images included), or leave them out "
+                          "(--where 'n_images = 0')")
     return con, sql, n
 
 
@@ -224,7 +246,7 @@ def export(db: Path, fmt: str, out: Path, where: str = "", progress: Progress = 
     """Write the selected samples (n_trainable > 0 and `where`) to `out` in `fmt`; returns the sample count."""
     if fmt not in FORMATS:
         raise ExportError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    con, sql, n = open_selection(db, where)
+    con, sql, n = open_selection(db, where, fmt)
     try:
         target = out if fmt == "slime" else out.parent
         try:

@@ -4,9 +4,14 @@ compared with the samples table token by token."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -14,9 +19,11 @@ from typer.testing import CliRunner
 
 from openforge.cli import app
 from openforge.commands.export import Format
-from openforge.export import FORMATS, SLIME_FILE_ROWS, export
+from openforge.export import FORMATS, SLIME_FILE_ROWS, ExportError, export
 from openforge.reconstruct import reconstruct
-from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer, trainable_segments
+from openforge.reconstruct.tokenize import load_tokenizer
+from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_path, qwen_retokenizer, trainable_segments
+from tests.support.vision import IMAGE_PAD_ID, processor_dir, screenshot
 
 # slime.utils.types.Sample's dataclass fields (THUDM/slime, slime/utils/types.py): Sample.from_dict passes
 # these to the constructor and sets any other key as an attribute
@@ -198,3 +205,53 @@ def test_cli_writes_and_refuses_bad_input(built: tuple[Path, list[list[int]]], t
         assert "Traceback" not in err
     code, err = run_cli("--db", str(db), "--format", "csv", "--out", str(tmp_path / "x"))
     assert code == 2 and "csv" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def vl_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two one-call episodes with a screenshot each, reconstructed with a VL processor."""
+    tmp = tmp_path_factory.mktemp("export-vl")
+    pdir = processor_dir(tmp / "processor")
+    flows = FlowFactory(tmp / "flows", tokenizer=load_tokenizer(pdir))
+    for i, png in enumerate([screenshot("a"), screenshot("b", color="red")]):
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "What is on the screen?"}]}]
+        flows.write(flows.chat(messages, {"content": "A screen."}, episode=f"vl{i}", engine_ids=False))
+        flows.write(flows.reward(f"vl{i}", float(i), "look"))
+    flows.close()
+    # the flow factory's usage counts its prompt before the pads' expansion: the length check would hold them out
+    reconstruct([tmp / "flows"], tmp / "vl.duckdb", qwen_path(), processor=pdir, keep_prompt_mismatch=True)
+    return tmp / "vl.duckdb"
+
+
+def test_parquet_carries_images_and_the_other_formats_refuse_them(vl_db: Path, tmp_path: Path) -> None:
+    """The flat parquet holds each sample's images (where their pads sit, the grid, the bytes); veRL, TRL and
+    slime rows have no place for pixels, so a selection with images is refused rather than exported as bare
+    pad tokens."""
+    assert export(vl_db, "parquet", tmp_path / "vl.parquet") == 2
+    stored = {r["hash"]: r["data"] for r in db_rows(vl_db, "SELECT hash, data FROM images")}
+    for r in pq.read_table(tmp_path / "vl.parquet").to_pylist():
+        [image] = r["images"]
+        assert r["n_images"] == 1 and json.loads(r["processor"])["merge_size"] == 2
+        start, n = image["token_start"], image["n_tokens"]
+        assert r["input_ids"][start:start + n] == [IMAGE_PAD_ID] * n and IMAGE_PAD_ID not in r["input_ids"][start + n:]
+        assert n == image["grid_t"] * image["grid_h"] * image["grid_w"] // 4
+        assert image["data"] == stored[image["hash"]] and hashlib.sha256(image["data"]).hexdigest() == image["hash"]
+    assert len({r["images"][0]["hash"] for r in pq.read_table(tmp_path / "vl.parquet").to_pylist()}) == 2
+    for fmt in ("verl", "trl", "slime"):
+        with pytest.raises(ExportError, match="2 of the 2 selected samples have images, which the"):
+            export(vl_db, fmt, tmp_path / fmt)
+
+
+def test_text_samples_export_without_images_and_an_old_schema_is_refused(built: tuple[Path, list[list[int]]],
+                                                                         tmp_path: Path) -> None:
+    db, _ = built
+    export(db, "parquet", tmp_path / "text.parquet")
+    assert {(r["n_images"], r["images"]) for r in pq.read_table(tmp_path / "text.parquet").to_pylist()} == {(0, None)}
+    old = tmp_path / "old.duckdb"
+    shutil.copy(db, old)
+    with duckdb.connect(str(old)) as con:
+        con.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
+    with pytest.raises(ExportError, match="schema version 5, this export reads 6: run `openforge reconstruct`"):
+        export(old, "parquet", tmp_path / "old.parquet")
