@@ -63,10 +63,15 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
     assert set(checks) <= {("match", "mixed"), ("match", "retokenized")}  # llama.cpp: completion ids only
     assert rows
     for ids, mask, logprobs, vocab, reward, advantage, source in rows:
-        assert len(ids) == len(mask) == len(logprobs) and vocab == 49152
+        assert len(ids) == len(mask) and vocab == 49152
         assert all(0 <= i < vocab for i in ids) and sum(mask) > 0
-        assert all(lp <= 0 for m, lp in zip(mask, logprobs) if m and not math.isnan(lp))
+        # llama.cpp's logprob entries are its completion ids unless it merged a character split over tokens;
+        # then the completion is rendered (retokenized) and has no logprobs
+        assert logprobs is not None or source == "retokenized"
+        assert logprobs is None or (len(logprobs) == len(ids)
+                                    and all(lp <= 0 for m, lp in zip(mask, logprobs) if m and not math.isnan(lp)))
         assert reward is not None and advantage is not None and source in ("engine", "mixed", "retokenized")
+    assert sum(source == "mixed" for *_, source in rows) > len(rows) // 2
 
     from tests.support.notebooks import execute_rl_notebook
 
