@@ -10,6 +10,7 @@ Screenshots are small so every image is a few placeholder tokens: 112x112 px -> 
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -28,8 +29,7 @@ VL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Image parts as Qwen3-VL's chat template renders them: each image part -> vision start, one image pad,
-# vision end (the processor's expansion turns the pad into grid_t * grid_h * grid_w / merge_size**2 pads).
+# Message content as Qwen3-VL's chat template renders it: text parts as text, each image part as above.
 _RENDER_CONTENT = (
     "{%- macro render_content(content) -%}{%- if content is string -%}{{- content -}}"
     "{%- elif content is iterable -%}{%- for item in content -%}"
@@ -41,10 +41,8 @@ _RENDER_CONTENT = (
 
 def qwen3_vl_chat_template() -> str:
     """The real Qwen3 template with each message's content rendered through `render_content` (what Qwen3-VL's
-    template does): text-only conversations render exactly as Qwen3's own, tools and tool calls included (and,
-    as Qwen3's, earlier turns without their reasoning, so an agent's calls do not extend each other's tokens)."""
-    import json
-
+    template does): text-only conversations render exactly as Qwen3's own, tools and tool calls included
+    (earlier assistant turns lose their reasoning, as in Qwen3's)."""
     qwen3 = json.loads((Path(qwen_path()) / "tokenizer_config.json").read_text())["chat_template"]
     return _RENDER_CONTENT + qwen3.replace("messages[0].content", "render_content(messages[0].content)").replace(
         "message.content", "render_content(message.content)")
