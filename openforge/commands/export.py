@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
 
 def export_command(
     db: Path = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`."),
-    fmt: Format = typer.Option(..., "--format", help="parquet (our columns, images included), verl, slime or trl (text samples only)."),
+    fmt: Format = typer.Option(..., "--format",
+                               help="parquet (our columns, images included), verl, slime or trl (text samples only)."),
     out: Path = typer.Option(..., "--out",
                              help="Output file (parquet, verl, trl) or directory of {k}.pt files (slime)."),
     where: str = typer.Option("", "--where", help="SQL filter on the samples table, e.g. \"reward > 0\"."),
