@@ -25,7 +25,7 @@ from openforge.reconstruct.episodes import ChainHasher
 from openforge.reconstruct.stats import collect
 from openforge.reconstruct.tokenize import load_tokenizer
 from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_path
-from tests.support.vision import IMAGE_PAD_ID, image_processor, processor_dir, screenshot
+from tests.support.vision import IMAGE_PAD_ID, expand_pads, image_processor, pad_runs, processor_dir, screenshot
 
 RED = screenshot("red", color="red")  # 112x112: grid 1x8x8, 16 pads
 WIDE = screenshot("wide", size=(112, 56))  # grid 1x4x8, 8 pads
@@ -60,21 +60,7 @@ def n_pads(png: bytes) -> tuple[int, list[int]]:
 def expected_prompt(tok: Any, messages: list[dict[str, Any]], images: list[bytes]) -> list[int]:
     """The template's render with each image's pad repeated (as transformers' Qwen2.5-VL processor does), encoded."""
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text.count("<|image_pad|>") == len(images)
-    for png in images:
-        text = text.replace("<|image_pad|>", "<|placeholder|>" * n_pads(png)[0], 1)
-    return tok.encode(text.replace("<|placeholder|>", "<|image_pad|>"), add_special_tokens=False)
-
-
-def pad_runs(ids: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t == IMAGE_PAD_ID:
-            if runs and runs[-1][0] + runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((i, 1))
-    return runs
+    return tok.encode(expand_pads(text, [n_pads(png)[0] for png in images]), add_special_tokens=False)
 
 
 def build(tmp_path: Path, name: str, tokenizer: Any, **kw: Any) -> Path:

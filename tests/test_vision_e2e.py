@@ -26,7 +26,7 @@ from openforge.trainer.config import TrainConfig
 from openforge.trainer.train import train
 from tests.support.gui_engine import GuiEngine
 from tests.support.reconstruct_flows import db_rows
-from tests.support.vision import IMAGE_PAD_ID, image_processor, qwen3_vl_chat_template, tiny_vl_model_dir
+from tests.support.vision import image_processor, pad_runs, qwen3_vl_chat_template, tiny_vl_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +39,6 @@ def post_reward(proxy_url: str, episode: str, reward: float) -> None:
     request = urllib.request.Request(f"{proxy_url}/openforge/v1/episodes/{episode}/reward",
                                      json.dumps({"reward": reward}).encode(), {"content-type": "application/json"})
     urllib.request.urlopen(request, timeout=10).close()
-
-
-def pad_runs(ids: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t == IMAGE_PAD_ID:
-            if runs and sum(runs[-1]) == i:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((i, 1))
-    return runs
 
 
 @pytest.mark.parametrize("profile", ["vllm", "generic"])  # prompt and completion ids from the engine / rendered

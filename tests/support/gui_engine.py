@@ -23,6 +23,7 @@ from PIL import Image
 
 from openforge.examples.gui import COLORS
 from tests.support.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
+from tests.support.vision import expand_pads
 
 FINAL = "Done."
 _DATA_URL = re.compile(r"^data:image/[a-z]+;base64,(.*)$", re.S)
@@ -83,10 +84,7 @@ class GuiEngine(ScriptedEngine):
         text = self._tok("apply_chat_template", messages, tools=conv.tools or None, add_generation_prompt=True,
                          tokenize=False)
         grids = self.image_processor(images=images)["image_grid_thw"].tolist() if images else []
-        merge = self.image_processor.merge_size ** 2
-        for t, h, w in grids:
-            text = text.replace("<|image_pad|>", "<|placeholder|>" * (t * h * w // merge), 1)
-        return self.encode(text.replace("<|placeholder|>", "<|image_pad|>"))
+        return self.encode(expand_pads(text, [t * h * w // self.image_processor.merge_size ** 2 for t, h, w in grids]))
 
     def reply(self, conv: Conversation) -> Reply:
         msgs = conv.messages

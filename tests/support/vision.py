@@ -100,3 +100,24 @@ def screenshot(text: str = "OK", size: tuple[int, int] = (112, 112), color: str 
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def expand_pads(text: str, n_tokens: list[int]) -> str:
+    """A VL template's render with the k-th `<|image_pad|>` repeated n_tokens[k] times: transformers'
+    Qwen2.5-VL processor's expansion (written here apart from reconstruct's, which the tests check)."""
+    assert text.count("<|image_pad|>") == len(n_tokens)
+    for n in n_tokens:
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * n, 1)
+    return text.replace("<|placeholder|>", "<|image_pad|>")
+
+
+def pad_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of image pad tokens in `ids`."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t == IMAGE_PAD_ID:
+            if runs and sum(runs[-1]) == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs
