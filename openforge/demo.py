@@ -18,7 +18,10 @@ from rich.console import Console
 from rich.table import Table
 
 from openforge.rl.config import RLConfig, load_rl_config
-from openforge.rl.loop import RLRun, results_table
+from openforge.rl.loop import RLError, RLRun, results_table
+
+# Written into every demo output: the only directories a later demo replaces without --force.
+MARKER = ".openforge-demo"
 
 
 @dataclass
@@ -44,11 +47,21 @@ class DemoConfig:
         })
 
 
-def prepare(cfg: DemoConfig, console: Console) -> RLRun:
-    """The loop, to run in `cfg.out` (emptied first: an earlier run's flows would mix in)."""
-    if cfg.out.exists():
-        shutil.rmtree(cfg.out)
-    return RLRun(cfg.rl_config(), cfg.out, console)
+def prepare(cfg: DemoConfig, console: Console, force: bool = False) -> RLRun:
+    """The loop, to run in `cfg.out`, emptied first (an earlier run's flows would mix in); RLError for an
+    existing `cfg.out` that is neither empty nor an earlier demo's output (its marker), unless `force`."""
+    out = cfg.out
+    if out.is_dir() and not out.is_symlink() and ((out / MARKER).is_file() or not any(out.iterdir()) or force):
+        shutil.rmtree(out)
+    elif out.exists() or out.is_symlink():
+        if not force:
+            what = "a directory that is not an earlier demo's output" if out.is_dir() else "not a directory"
+            raise RLError(f"--out {out} is {what} (no {MARKER} in it): give another --out, or --force to "
+                          f"replace it")
+        out.unlink()
+    out.mkdir(parents=True)
+    (out / MARKER).write_text("written by `openforge demo`: a later demo with this --out replaces this directory\n")
+    return RLRun(cfg.rl_config(), out, console)
 
 
 def summary(run: RLRun, lines: list[dict[str, Any]], console: Console) -> None:

