@@ -25,13 +25,15 @@ from tests.support.hostile_agent import ESCAPE_MARK, LATE_DELAY_S, LATE_MARK
 from tests.support.toolchain_engine import ToolchainEngine
 
 AGENT = ROOT / "tests" / "support" / "hostile_agent.py"
-TEST_ANSWER = "import pathlib\n\ndef test_answer():\n    assert pathlib.Path('answer.txt').read_text().strip() == '42'\n"
+TEST_ANSWER = ("import pathlib\n\ndef test_answer():\n"
+               "    assert pathlib.Path('answer.txt').read_text().strip() == '42'\n")
 
 
 def hostile_adapter(path: Path, engine_url: str | None = None) -> str:
     """The hostile CLI as a custom adapter; `engine_url` is what an agent that knows the setup would try."""
     hint = f', "--engine-url", "{engine_url}"' if engine_url else ""
-    path.write_text(f'command = ["{{python}}", "{AGENT}", "--base-url", "{{base_url}}", "--key", "{{api_key}}"{hint}]\n')
+    path.write_text(f'command = ["{{python}}", "{AGENT}", "--base-url", "{{base_url}}", "--key", "{{api_key}}"'
+                    f'{hint}]\n')
     return f"custom:{path}"
 
 
