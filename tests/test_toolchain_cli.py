@@ -128,3 +128,16 @@ def test_toolchain_forward_mode_python_cli_grouped_by_proxy_auth(
     assert all("api.openai.com" in c["client_request"]["url"] for c in run.llm_calls)
     check_run(run, "ep-fwd-mini", "proxy_auth")
     check_samples(run, retok, tmp_path)
+
+
+def test_install_check_fails_when_a_cli_is_missing(tmp_path: Path) -> None:
+    """`toolchains/install.sh --check` names each missing CLI and exits 1 (it once printed errors and exited 0)."""
+    import os
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "toolchains" / "install.sh"
+    done = subprocess.run(["bash", str(script), "--check"], capture_output=True,
+                          text=True, env={**os.environ, "OPENFORGE_TOOLS_DIR": str(tmp_path)}, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert [line.split()[:2] for line in done.stdout.splitlines()] == [
+        [name, "missing:"] for name in ("claude-code", "codex", "qwen-code", "mini-swe-agent")]

