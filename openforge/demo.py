@@ -8,6 +8,7 @@ everything is and the commands to go on.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -77,14 +78,19 @@ def summary(run: RLRun, lines: list[dict[str, Any]], console: Console) -> None:
                        ("gguf/", "the policy the engine serves now"), ("logs/", "engine.log, proxy.log")):
         files.add_row(str(out / name), what)
     console.print(files)
-    commands = next_commands(run.out, run.state.served, len(lines))
-    console.print("Next:\n" + "\n".join(f"  {line}" for line in commands), highlight=False)
+    print_next(next_commands(run.out, run.state.served, len(lines)), console)
+
+
+def print_next(commands: list[str], console: Console) -> None:
+    """One command a line, never wrapped: a terminal narrower than a command shows it cut, not broken in two."""
+    console.print("Next:\n" + "\n".join(f"  {line}" for line in commands), highlight=False, soft_wrap=True)
 
 
 def next_commands(out: Path, served: str, iterations: int) -> list[str]:
     """The commands the summary suggests, each runnable as printed (with this environment's tools)."""
     openforge, jupyter = _tool("openforge"), _tool("jupyter")
-    lab = (f"OPENFORGE_RL_DIR={out.resolve()} {jupyter} lab notebooks/rl_run.ipynb   (the run, plotted)"
+    root = " --allow-root" if os.geteuid() == 0 else ""  # jupyter refuses to start as root without it
+    lab = (f"OPENFORGE_RL_DIR={out.resolve()} {jupyter} lab{root} notebooks/rl_run.ipynb   (the run, plotted)"
            if jupyter else f"pip install jupyterlab, then OPENFORGE_RL_DIR={out.resolve()} jupyter lab notebooks/")
     return [
         lab,

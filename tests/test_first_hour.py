@@ -130,7 +130,22 @@ def test_demo_next_lines_run_as_printed(tmp_path: Path) -> None:
             assert "pip install jupyterlab" in line or shutil.which(args[0]) or Path(args[0]).exists(), line
         assert shutil.which(args[0]) or Path(args[0]).exists() or "pip install" in line, line
     assert f"OPENFORGE_RL_DIR={out.resolve()}" in lines[0] and "notebooks/rl_run.ipynb" in lines[0]
+    assert ("lab --allow-root " in lines[0]) == (os.geteuid() == 0) or "pip install" in lines[0]
     assert f"--out {out} --resume --iterations 5" in lines[1]
+
+
+def test_demo_next_lines_are_not_broken_on_a_narrow_terminal(tmp_path: Path) -> None:
+    """At 80 columns each command stays on its own line, whole, so it can be copied."""
+    import io
+
+    from rich.console import Console
+
+    from openforge.demo import next_commands, print_next
+
+    lines = next_commands(tmp_path / "demo-out", str(tmp_path / "demo-out/gguf/policy-0003.gguf"), 3)
+    console = Console(file=io.StringIO(), width=80)
+    print_next(lines, console)
+    assert console.file.getvalue().splitlines()[1:] == [f"  {line}" for line in lines]  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
