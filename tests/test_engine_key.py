@@ -119,3 +119,14 @@ def test_vllm_with_a_key_starts_through_the_launcher(tmp_path: Path, monkeypatch
     assert "VLLM_API_KEY" not in eng.env() and "OPENFORGE_REWARD_TOKENS" not in eng.env()
     assert eng.headers() == {"authorization": f"Bearer {KEY}"}
     assert VllmEngine(model).command()[1:3] == ["-m", vllm_engine.API_SERVER]
+
+
+@pytest.mark.parametrize("content", [None, "\n"])
+def test_engine_cli_unreadable_key_file_is_one_line(tmp_path: Path, content: str | None) -> None:
+    path = tmp_path / "engine.key"
+    if content is not None:
+        path.write_text(content)
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", "engine", "--api-key-file", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "error: --api-key-file: cannot read a key from" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
