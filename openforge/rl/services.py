@@ -155,9 +155,7 @@ class LlamaCppPolicy(Policy):
         from openforge.gguf_export import export_gguf
 
         target = out / f"policy-{version:04d}.gguf"
-        tmp = target.with_suffix(".tmp")
-        export_gguf(load_file(str(checkpoint / "model.safetensors")), self.template_gguf, tmp)
-        os.replace(tmp, target)  # a killed export never leaves a half GGUF under the served name
+        export_gguf(load_file(str(checkpoint / "model.safetensors")), self.template_gguf, target)
         port = self.engine.port
         self.engine.stop()
         self.engine = self._engine(target, port)
