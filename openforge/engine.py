@@ -3,6 +3,10 @@
 xllamacpp runs the server inside the Python process that creates it, with native threads that cannot be
 interrupted from Python. Running it in a child process (`python -m openforge.engine ...`) keeps those
 threads out of the caller and makes stopping it a plain SIGTERM, whatever the caller is doing.
+
+With an API key (`api_key_file`: a 0600 file, the only channel: never the command line or the environment)
+the server answers only calls that carry it (`/health` and `/v1/models` stay open), and the child makes
+itself non-dumpable before it reads the key, so other processes of the user cannot read it from its memory.
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ from types import TracebackType
 from typing import Self
 
 from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf
-from openforge.processes import Child, ChildError, Progress, free_port
+from openforge.processes import (
+    Child,
+    ChildError,
+    Progress,
+    answers_200,
+    free_port,
+    non_dumpable,
+    read_secret,
+    without_secrets,
+)
 
 TEMPLATE_CHOICES = ("chatml-tools", "gguf")
 
@@ -39,8 +52,10 @@ def resolve_chat_template(choice: str) -> str | None:
     return path.read_text()
 
 
-def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat_template: str | None) -> None:
-    """Run llama.cpp's server in this process until SIGTERM or SIGINT (the child-process entry point)."""
+def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat_template: str | None,
+          api_key: str | None = None) -> None:
+    """Run llama.cpp's server in this process until SIGTERM or SIGINT (the child-process entry point);
+    with `api_key`, every call but /health and /v1/models needs `Authorization: Bearer <api_key>`."""
     import xllamacpp as xlc
 
     params = xlc.CommonParams()
@@ -56,6 +71,8 @@ def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat
     params.ui = False
     if chat_template is not None:
         params.chat_template = chat_template
+    if api_key is not None:
+        params.api_keys = [api_key]
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -77,6 +94,7 @@ class EngineProcess:
     stop_timeout: float
     poll_interval = 0.1  # seconds between readiness probes
     child: Child | None = None
+    api_key_file: Path | None = None  # the key every call needs (None: none, the standalone default)
 
     @property
     def url(self) -> str:
@@ -91,7 +109,26 @@ class EngineProcess:
         raise NotImplementedError
 
     def env(self) -> dict[str, str]:
-        return dict(os.environ)
+        return without_secrets(os.environ)
+
+    def headers(self) -> dict[str, str]:
+        """What a direct call to the engine carries: its key, when it has one."""
+        return {"authorization": f"Bearer {read_secret(self.api_key_file)}"} if self.api_key_file else {}
+
+    def alive(self) -> bool:
+        """Whether the child still runs and answers /health with 200."""
+        return self.child is not None and self.child.poll() is None and \
+            answers_200(f"{self.url}/health", self.headers())
+
+    def refuses_without_key(self) -> bool:
+        """Whether a call without the key is refused (401), as it must be once the engine has one."""
+        import httpx
+
+        try:
+            answer = httpx.post(f"{self.url}/v1/chat/completions", json={}, timeout=10)
+        except httpx.HTTPError:
+            return False
+        return answer.status_code == 401
 
     def start(self, progress: Progress | None = None, every: float = 15.0) -> Self:
         """Start the child and wait until /health answers 200; `progress(elapsed, last log line)` every
@@ -107,6 +144,9 @@ class EngineProcess:
         except BaseException:
             self.stop()
             raise
+        if self.api_key_file is not None and not self.refuses_without_key():
+            self.stop()
+            raise EngineError(f"{self.label} answered a call without its API key: stopped (log: {self.log_path})")
         return self
 
     @property
@@ -148,6 +188,7 @@ class EmbeddedEngine(EngineProcess):
         log_path: Path | str | None = None,
         ready_timeout: float = 120.0,
         stop_timeout: float = 10.0,
+        api_key_file: Path | str | None = None,
     ) -> None:
         self.gguf = Path(gguf) if gguf is not None else default_gguf()
         if not self.gguf.is_file():
@@ -158,22 +199,24 @@ class EmbeddedEngine(EngineProcess):
         self.chat_template = chat_template
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
+        self.api_key_file = Path(api_key_file) if api_key_file else None
 
     @property
     def label(self) -> str:
         return f"engine for {self.gguf}"
 
     def command(self) -> list[str]:
+        key = ["--api-key-file", str(self.api_key_file)] if self.api_key_file else []
         return [
             sys.executable, "-m", "openforge.engine", "--gguf", str(self.gguf), "--port", str(self.port),
             "--ctx", str(self.n_ctx), "--parallel", str(self.n_parallel), "--threads", str(self.threads),
-            "--chat-template", self.chat_template,
+            "--chat-template", self.chat_template, *key,
         ]  # fmt: skip
 
     def env(self) -> dict[str, str]:
         # the child imports this very package, installed or not
         root = str(Path(__file__).resolve().parent.parent)
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        return {**super().env(), "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,9 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chat-template", default="chatml-tools")
+    parser.add_argument("--api-key-file", type=Path, help="a file holding the key every call must carry")
     args = parser.parse_args(argv)
+    non_dumpable()  # before the key is in memory
+    api_key = read_secret(args.api_key_file) if args.api_key_file else None
     template = resolve_chat_template(args.chat_template)
-    serve(args.gguf, args.port, args.ctx, args.parallel, args.threads, template)
+    serve(args.gguf, args.port, args.ctx, args.parallel, args.threads, template, api_key)
 
 
 if __name__ == "__main__":

@@ -48,10 +48,47 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def answers_200(url: str) -> bool:
+def non_dumpable() -> None:
+    """Make this process non-dumpable (Linux): its /proc/<pid>/environ, mem and fds become unreadable to other
+    processes of the same user (not to root), and it cannot be ptrace-attached. exec resets it, so a server
+    that holds a secret calls this itself, after it started."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_DUMPABLE = 4
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+SECRET_ENV = ("OPENFORGE_CLIENT_TOKEN", "OPENFORGE_CLIENT_TOKENS", "OPENFORGE_REWARD_TOKEN",
+              "OPENFORGE_REWARD_TOKENS", "OPENFORGE_UPSTREAM_KEY")
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` less OpenForge's own secrets: what a long-lived child (engine, proxy) may inherit."""
+    return {k: v for k, v in env.items() if k not in SECRET_ENV}
+
+
+def read_secret(path: Path | str) -> str:
+    """A secret file's text less one trailing newline (`echo KEY > file` adds it); ValueError when empty."""
+    text = Path(path).read_text().removesuffix("\n")
+    if not text:
+        raise ValueError(f"{path} is empty")
+    return text
+
+
+def write_secret(path: Path, value: str) -> Path:
+    """`value` in `path`, created 0600 (never readable by others, not even for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # an older file keeps its mode through O_CREAT
+        f.write(value)
+    return path
+
+
+def answers_200(url: str, headers: Mapping[str, str] | None = None) -> bool:
     """Whether `url` answers 200 right now (llama.cpp's and vLLM's /health answer 503 while loading)."""
     try:
-        with _DIRECT.open(url, timeout=1.0) as answer:
+        with _DIRECT.open(urllib.request.Request(url, headers=dict(headers or {})), timeout=1.0) as answer:
             return answer.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False

@@ -4,6 +4,8 @@ vLLM lives in its own environment (`.venv-vllm`): its pins would fight the main 
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU wheel looks up
 package metadata named `vllm` and fails), started in its own process group (`openforge.processes.Child`)
 because it spawns an engine core process: stopping signals the whole group, so no process outlives `stop()`.
+With an API key file the server starts through `openforge/vllm_launcher.py`, which keeps the key out of its
+command line and environment and requires it on every path but /health (development endpoints included).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from openforge.engine import EngineError, EngineProcess
 from openforge.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = Path(__file__).resolve().parent / "vllm_launcher.py"
+API_SERVER = "vllm.entrypoints.openai.api_server"
 VLLM_VENV = ROOT / ".venv-vllm"
 TOOL_CALL_PARSER = "hermes"  # the ChatML template's `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
 
@@ -88,16 +92,18 @@ def checkpoint_weights(weights_dir: Path) -> list[Path]:
     return [weights_dir / name for name in names]
 
 
-def reload_weights(url: str, weights_dir: Path | str, timeout: float = 600.0) -> float:
+def reload_weights(url: str, weights_dir: Path | str, timeout: float = 600.0,
+                   headers: dict[str, str] | None = None) -> float:
     """Serve the weights in `weights_dir` (a Hugging Face directory of the same architecture) from the
     running server at `url`, without a restart; the seconds it took.
 
     Needs the server's development mode (`VLLM_SERVER_DEV_MODE=1`, `openforge engine --backend vllm
     --dev-mode`): ReloadUnsupported without it. New requests wait while in-flight ones finish
     (`/pause?mode=wait`); the prefix cache is dropped, since its KV was computed with the old weights.
-    The path is made absolute: the server resolves it from its own working directory.
+    The path is made absolute: the server resolves it from its own working directory. `headers`: the
+    engine's key (`EngineProcess.headers()`).
     """
-    with httpx.Client(base_url=url, timeout=timeout) as http:
+    with httpx.Client(base_url=url, timeout=timeout, headers=headers) as http:
         started = time.monotonic()
         _dev_post(http, "/pause?mode=wait")
         try:
@@ -147,6 +153,7 @@ class VllmEngine(EngineProcess):
         log_path: Path | str | None = None,
         ready_timeout: float = 900.0,
         stop_timeout: float = 30.0,
+        api_key_file: Path | str | None = None,
     ) -> None:
         if model_dir is None:
             from openforge.models import hf_dir
@@ -162,14 +169,17 @@ class VllmEngine(EngineProcess):
         self.threads, self.dev_mode = threads, dev_mode
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
+        self.api_key_file = Path(api_key_file) if api_key_file else None
 
     @property
     def label(self) -> str:
         return f"vLLM serving {self.model_dir}"
 
     def command(self) -> list[str]:
+        start = [str(self.python), "-I", str(LAUNCHER), str(self.api_key_file), API_SERVER] if self.api_key_file \
+            else [str(self.python), "-m", API_SERVER]
         return [
-            str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+            *start, "--model", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
             *serve_flags(self.model_dir, self.name, self.max_model_len),
         ]  # fmt: skip
@@ -179,7 +189,7 @@ class VllmEngine(EngineProcess):
         return f"VLLM_SERVER_DEV_MODE=1 {line}" if self.dev_mode else line
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env = {k: v for k, v in super().env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "VLLM_API_KEY")}
         # VLLM_USE_AOT_COMPILE=0: on CPU, 0.32 cannot load its own AOT artifacts ("'function' object has no
         # attribute 'finalize_loading'") and recompiled at every start
         env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
@@ -197,7 +207,7 @@ class VllmEngine(EngineProcess):
 
 
 def serve_cli(model_dir: Path | None, gguf: Path | None, port: int, max_model_len: int, log: Path | None,
-              dev_mode: bool, echo: Callable[..., None]) -> int:
+              dev_mode: bool, echo: Callable[..., None], api_key_file: Path | None = None) -> int:
     """`openforge engine --backend vllm`: serve `model_dir` (default: the GGUF's Hugging Face directory) until
     Ctrl-C or SIGTERM; the exit code (2: bad input, 1: the server failed)."""
     from openforge.models import ModelNotFound, hf_dir
@@ -205,7 +215,7 @@ def serve_cli(model_dir: Path | None, gguf: Path | None, port: int, max_model_le
     log = log or Path(os.environ.get("TMPDIR", "/tmp")) / f"openforge-vllm-{os.getpid()}.log"
     try:
         eng = VllmEngine(model_dir or hf_dir(gguf), port=port, max_model_len=max_model_len, dev_mode=dev_mode,
-                         log_path=log)
+                         log_path=log, api_key_file=api_key_file)
     except (EngineError, ModelNotFound, OSError) as e:
         echo(f"error: {e}", err=True)
         return 2
@@ -216,8 +226,10 @@ def serve_cli(model_dir: Path | None, gguf: Path | None, port: int, max_model_le
         echo(f"ready at {eng.url}  (model {eng.name}; OpenAI base URL {eng.url}/v1)")
         echo(f"on a GPU, the same setup: {eng.gpu_command()}")
         if dev_mode:
+            key = f" --api-key-file {api_key_file}" if api_key_file else ""
             echo(f"development mode: new weights in place with `openforge engine reload --url {eng.url} "
-                 "--weights DIR`; its endpoints take no key: never let a network reach this port")
+                 f"--weights DIR{key}`" + ("" if api_key_file else "; its endpoints take no key: never let a "
+                                           "network reach this port"))
         while eng.proc is not None and eng.proc.poll() is None:
             time.sleep(0.5)
         echo("error: the vLLM process exited", err=True)

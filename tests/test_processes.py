@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,3 +100,24 @@ def test_one_mitmdump_command_line(tmp_path: Path) -> None:
                                                                        "openforge.py")]
     assert args[3:] == ["--listen-host", "127.0.0.1", "-p", "8080", "--mode", "reverse:http://127.0.0.1:8000",
                         "--set", "flow_detail=0"]
+
+
+def test_a_non_dumpable_process_hides_its_environment_from_the_same_user() -> None:
+    """What the engine and the proxy do at start: another process of their user cannot read their
+    /proc/<pid>/environ (as root both run as nobody, since root reads any process)."""
+    import os
+
+    root = str(Path(__file__).resolve().parent.parent)
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    hold = "from openforge.processes import non_dumpable; non_dumpable(); print('ready', flush=True); input()"
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": root, "SECRET": "s3cret"}
+    child = subprocess.Popen([*drop, sys.executable, "-c", hold], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        read = f"open('/proc/{child.pid}/environ', 'rb').read()"
+        done = subprocess.run([*drop, sys.executable, "-c", read], env=env, capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode != 0 and "PermissionError" in done.stderr and "environ" in done.stderr, done.stderr
+    finally:
+        child.communicate("\n", timeout=30)

@@ -54,8 +54,13 @@ def engine(
     model: Path | None = typer.Option(None, "--model", help="vllm only: serve this Hugging Face directory (a "
                                       "trainer checkpoint, or `--export-hf`'s output) instead of the GGUF's."),
     dev_mode: bool = typer.Option(False, "--dev-mode", help="vllm only: mount vLLM's development endpoints, so "
-                                  "that `openforge engine reload` serves new weights without a restart. They take "
-                                  "no key: never let a network reach the port."),
+                                  "that `openforge engine reload` serves new weights without a restart. Without "
+                                  "--api-key-file they take no key: never let a network reach the port."),
+    api_key_file: Path | None = typer.Option(None, "--api-key-file", help="A file (keep it 0600) holding the key "
+                                             "every call must carry as `Authorization: Bearer KEY` (/health "
+                                             "stays open); give the proxy the same file "
+                                             "(--set openforge_upstream_key_file=FILE). Read by the server "
+                                             "itself: never on a command line or in an environment."),
 ) -> None:
     """Serve a GGUF (llama.cpp by default, or real vLLM) on 127.0.0.1 until Ctrl-C or SIGTERM;
     `openforge engine reload` serves a new checkpoint from a running vLLM started with --dev-mode."""
@@ -69,6 +74,8 @@ def engine(
              "reloads nothing in place")
     if model is not None and gguf is not None:
         fail("pass --gguf or --model, not both")
+    if api_key_file is not None:
+        _check_key_file(api_key_file)
     if export_hf is not None:
         try:
             _export_hf(gguf, chat_template, export_hf)
@@ -80,17 +87,18 @@ def engine(
         from openforge.vllm_engine import serve_cli
 
         raise typer.Exit(serve_cli(model, gguf, port=port, max_model_len=ctx, log=log, dev_mode=dev_mode,
-                                   echo=typer.echo))
+                                   echo=typer.echo, api_key_file=api_key_file))
     try:
         eng = EmbeddedEngine(gguf, port=port, n_ctx=ctx, n_parallel=parallel, threads=threads,
-                             chat_template=chat_template, log_path=log)
+                             chat_template=chat_template, log_path=log, api_key_file=api_key_file)
     except (EngineError, ModelNotFound) as e:
         fail(str(e))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         with eng:
-            typer.echo(f"ready at {eng.url}  (model {eng.gguf.name}; OpenAI base URL {eng.url}/v1)")
+            key = f"; calls need the key in {api_key_file}" if api_key_file else ""
+            typer.echo(f"ready at {eng.url}  (model {eng.gguf.name}; OpenAI base URL {eng.url}/v1{key})")
             while not stop.wait(0.5):
                 if eng.proc is None or eng.proc.poll() is not None:
                     fail("the engine process exited", code=FAILED)
@@ -108,6 +116,8 @@ def reload(
     url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The running engine."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the engine (in-flight requests "
                                   "finish before the weights change)."),
+    api_key_file: Path | None = typer.Option(None, "--api-key-file", help="The engine's key file, when it was "
+                                             "started with one."),
 ) -> None:
     """Serve a new checkpoint from a running vLLM (started with --dev-mode) without a restart.
 
@@ -124,23 +134,24 @@ def reload(
     except EngineError as e:
         fail(str(e), hint="pass a checkpoint the trainer wrote (out/checkpoints/step_NNNNNN) or an "
              "`openforge engine --export-hf` directory")
+    headers = {"authorization": f"Bearer {_check_key_file(api_key_file)}"} if api_key_file else None
     try:
-        seconds = reload_weights(url, weights, timeout=timeout)
+        seconds = reload_weights(url, weights, timeout=timeout, headers=headers)
     except ReloadUnsupported:
-        _no_reload(url, weights)
+        _no_reload(url, weights, _check_key_file(api_key_file) if api_key_file else "")
     except EngineError as e:
         fail(str(e), code=FAILED)
     typer.echo(f"reloaded {weights} into {url} in {seconds:.2f} s")
 
 
-def _no_reload(url: str, weights: Path) -> NoReturn:
+def _no_reload(url: str, weights: Path, key: str) -> NoReturn:
     """Fail saying how this engine gets the new weights instead: the restart command."""
     from openforge.addons.profiles import detect
 
     port = urlsplit(url).port or (443 if urlsplit(url).scheme == "https" else 80)
     restart = shlex.join(["openforge", "engine", "--backend", "vllm", "--model", str(weights.resolve()),
                           "--port", str(port), "--dev-mode"])
-    profile = detect(f"{url.rstrip('/')}/v1/models", "")
+    profile = detect(f"{url.rstrip('/')}/v1/models", key)
     if profile == "llamacpp":
         fail(f"llama.cpp at {url} cannot reload weights in place: restart on vLLM with the new weights: {restart}",
              hint="or stay on llama.cpp: export the checkpoint as a GGUF (openforge.gguf_export.export_gguf) and "
@@ -150,6 +161,16 @@ def _no_reload(url: str, weights: Path) -> NoReturn:
          f"only): restart it with the new weights: {restart}",
          hint="--dev-mode makes the next checkpoint a reload in place; its endpoints take no key, so never let "
          "a network reach that port", code=FAILED)
+
+
+def _check_key_file(path: Path) -> str:
+    """The key in `path`; a one-line error for a missing or empty file."""
+    from openforge.processes import read_secret
+
+    try:
+        return read_secret(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        fail(f"--api-key-file: cannot read a key from {path}: {e}")
 
 
 def _export_hf(gguf: Path | None, chat_template: str, target: Path) -> None:

@@ -9,12 +9,19 @@ One output directory holds the run (docs/rl.md):
     DIR/iterations/NNN/    that iteration's rollout (episodes/, results.jsonl, summary.json)
     DIR/train/             the trainer's metrics.jsonl (steps numbered across iterations) and checkpoints/
     DIR/gguf/              llama.cpp: the published weights;  DIR/logs/: engine.log, proxy.log
+    DIR/secrets/           (0700) the tokens and keys of the proxy and engine, 0600 files
 
 Each stage ends by saving state.json, so `--resume` continues at the stage a killed run was in: finished
 episodes are kept and the unfinished ones rerun under new episode ids (a killed episode's calls have no
 reward and never become samples); flow files already read are not read again; a finished training step
 range is not trained again. Training selects the samples of the rollout episodes of the window's
 iterations only (table `rl_episodes`), at the policy versions that produced them.
+
+Faults the loop notices: an episode an interruption cut short (no result, `crashed: interrupted`, or a reward
+that never reached the proxy) runs again on `--resume`; a dead engine is restarted once per iteration, and
+a rollout it died under runs again; a checkpoint that does not load or holds non-finite weights is never
+published (the newest valid one is); an episode whose DuckDB reward differs from its result.json is
+flagged and left out of training.
 """
 
 from __future__ import annotations
@@ -36,10 +43,21 @@ import duckdb
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from openforge.engine import EngineError
+from openforge.processes import non_dumpable, read_secret, write_secret
 from openforge.rl.config import RLConfig, load_rl_config
-from openforge.rl.services import ControlAPI, LlamaCppPolicy, Policy, ProxyProcess, VllmPolicy, proxy_routes
+from openforge.rl.services import (
+    CheckpointInvalid,
+    ControlAPI,
+    LlamaCppPolicy,
+    Policy,
+    ProxyProcess,
+    VllmPolicy,
+    check_checkpoint,
+    proxy_routes,
+)
 from openforge.rl.services import publish as publish_weights
-from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec, Task
+from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
 
 STAGES = ("rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
 STATE_VERSION = 1
@@ -48,6 +66,9 @@ METRIC_MEANS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "is_ratio_m
 RL_EPISODES = """CREATE TABLE IF NOT EXISTS rl_episodes (
     iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, task_id VARCHAR, toolchain VARCHAR,
     attempt INTEGER, status VARCHAR NOT NULL, reward DOUBLE)"""
+RL_MISMATCHES = """CREATE TABLE IF NOT EXISTS rl_reward_mismatches (
+    iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, result_reward DOUBLE, db_reward DOUBLE)"""
+REWARD_TOLERANCE = 1e-9
 
 
 class RLError(RuntimeError):
@@ -65,6 +86,7 @@ class State:
     version: int = 0
     served: str = ""
     resumes: int = 0
+    restarts: int = 0  # engine restarts after it died (each one also names reruns, as a resume does)
     train_start_step: int = -1  # the trainer's step when this iteration's training began (-1: not yet)
     checkpoint: str = ""  # what this iteration trained ("" = nothing: no samples, or not yet)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -114,7 +136,9 @@ class RLRun:
             self.state = State(run_id=time.strftime("rl%Y%m%dT%H%M%S") + "-" + secrets.token_hex(2))
         self.flow_dir, self.db = self.out / "flows", self.out / "rl.duckdb"
         self.train_out, self.gguf_dir, self.logs = self.out / "train", self.out / "gguf", self.out / "logs"
+        self.secrets = self.out / "secrets"
         self.client_token, self.reward_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+        self._restarted_in = -1  # the iteration in which the engine was last restarted
         self.tasks = self._check_rollout()
         self.policy: Policy | None = None
         self.proxy: ProxyProcess | None = None
@@ -133,7 +157,8 @@ class RLRun:
             tasks = read_tasks(r.tasks) if r.tasks else rollout_tasks()
             tasks = tasks[: r.max_tasks] if r.max_tasks else tasks
             prepare(tasks, r.toolchains, proxy="http://127.0.0.1:1", out=self.out, attempts=r.attempts,
-                    concurrency=r.concurrency, on_failure=r.on_failure, pass_threshold=r.pass_threshold)
+                    concurrency=r.concurrency, on_failure=r.on_failure, pass_threshold=r.pass_threshold,
+                    sandbox=r.sandbox)
         except (TaskFileError, RolloutError) as e:
             raise RLError(str(e)) from None
         return tasks
@@ -177,24 +202,44 @@ class RLRun:
             return load_gguf_tokenizer(self.template_gguf)  # with the template the engine serves
         return str(self.base_model)
 
+    def write_secrets(self) -> dict[str, Path]:
+        """DIR/secrets/ (0700, never shown to an episode) with this start's client token, reward token and
+        engine key, and the run's flow key (kept across resumes: it verifies the flow files already written),
+        each a 0600 file; {proxy option: file}."""
+        self.secrets.mkdir(mode=0o700, exist_ok=True)
+        self.secrets.chmod(0o700)
+        flow_key = self.secrets / "flow.key"
+        if not flow_key.is_file():
+            write_secret(flow_key, secrets.token_hex(32))
+        flow_key.chmod(0o600)
+        return {
+            "openforge_client_tokens_file": write_secret(self.secrets / "client.token", self.client_token),
+            "openforge_reward_tokens_file": write_secret(self.secrets / "reward.token", self.reward_token),
+            "openforge_upstream_key_file": write_secret(self.secrets / "engine.key", secrets.token_urlsafe(32)),
+            "openforge_flow_key_file": flow_key,
+        }
+
     @contextlib.contextmanager
     def services(self) -> Iterator[None]:
-        """Engine and proxy up for the whole run; both stopped on any exit (Ctrl-C included)."""
+        """Engine and proxy up for the whole run; both stopped on any exit (Ctrl-C included). This process
+        holds the reward token: it is non-dumpable, as the engine and the proxy are."""
+        non_dumpable()
+        files = self.write_secrets()
         served = Path(self.state.served) if self.state.served else self.start_weights
+        key_file = files["openforge_upstream_key_file"]
         policy: Policy
         if self.cfg.engine.backend == "llamacpp":
-            policy = LlamaCppPolicy(self.cfg, self.template_gguf, served, self.logs / "engine.log")
+            policy = LlamaCppPolicy(self.cfg, self.template_gguf, served, self.logs / "engine.log", key_file)
         else:
-            policy = VllmPolicy(self.cfg, served, self.logs / "engine.log")
-        env = {**os.environ, "OPENFORGE_CLIENT_TOKENS": self.client_token,
-               "OPENFORGE_REWARD_TOKENS": self.reward_token}
+            policy = VllmPolicy(self.cfg, served, self.logs / "engine.log", key_file)
         with contextlib.ExitStack() as stack:
             with self.console.status(f"starting the engine ({policy.profile}) on {served}"):
                 policy.start()
             stack.callback(policy.stop)
             self.policy = policy
             proxy = ProxyProcess(policy.url, self.flow_dir, self.logs / "proxy.log", profile=policy.profile,
-                                 routes=proxy_routes(self.cfg), env=env, policy_version=self.state.version,
+                                 routes=proxy_routes(self.cfg), secret_files=files,
+                                 policy_version=self.state.version,
                                  pause_timeout=self.cfg.proxy.pause_timeout)
             self.proxy = stack.enter_context(proxy)
             self.control = ControlAPI(self.proxy.url, self.reward_token)
@@ -209,18 +254,9 @@ class RLRun:
             d.mkdir(parents=True, exist_ok=True)
         (self.out / "rl.toml").write_text(self.cfg.to_toml())
         self.state.save(self.state_path)
-        saved = {k: os.environ.get(k) for k in (CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV)}
-        os.environ[CLIENT_TOKEN_ENV], os.environ[REWARD_TOKEN_ENV] = self.client_token, self.reward_token
-        try:
-            with self.services():
-                while self.state.iteration < self.cfg.loop.iterations:
-                    self.iteration()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with self.services():
+            while self.state.iteration < self.cfg.loop.iterations:
+                self.iteration()
         lines = read_lines(self.out / "rl.jsonl")
         plot(lines, self.out / "rl.png")
         return lines
@@ -232,6 +268,8 @@ class RLRun:
         self.console.rule(f"iteration {i + 1}/{self.cfg.loop.iterations} (policy version {s.version})")
         for stage in STAGES[STAGES.index(s.stage):-1]:
             started = time.monotonic()
+            if stage in ("rollout", "publish"):
+                self.ensure_engine(i, stage)
             getattr(self, stage)(i)
             s.seconds[stage] = round(s.seconds.get(stage, 0.0) + time.monotonic() - started, 3)
             s.stage = STAGES[STAGES.index(stage) + 1]
@@ -250,24 +288,61 @@ class RLRun:
     def rollout_dir(self, i: int) -> Path:
         return self.out / "iterations" / f"{i:03d}" / "rollout"
 
+    def ensure_engine(self, i: int, stage: str) -> bool:
+        """Make sure the engine answers before `stage`: a dead one is restarted, once per iteration; a second
+        death, or a restart that fails, stops the run (RLError). Whether it had to be restarted."""
+        if self.policy is None or self.policy.alive():
+            return False
+        log = self.logs / "engine.log"
+        if self._restarted_in == i:
+            raise RLError(f"the engine died again in iteration {i + 1} after a restart (log: {log}); "
+                          f"nothing was run against it")
+        self.console.print(f"  [yellow]warning:[/] the engine is not answering before {stage}: restarting it "
+                           f"(log: {log})")
+        self._restarted_in = i
+        self.state.restarts += 1
+        self.state.save(self.state_path)
+        try:
+            self.policy.restart()
+        except EngineError as e:
+            raise RLError(f"the engine died and did not restart: {e}") from None
+        return True
+
     # -- stages ----------------------------------------------------------------------------------------------
     def rollout(self, i: int) -> None:
-        """Every task x toolchain x attempt on policy version i; the verifiers post rewards to the proxy."""
-        from openforge.rollout.runner import execute, prepare, read_result
+        """Every task x toolchain x attempt on policy version i; the verifiers post rewards to the proxy. If
+        the engine died meanwhile, it is restarted and the episodes of that round run again."""
+        from openforge.rollout.runner import prepare
 
         r = self.cfg.rollout
         assert self.proxy is not None and self.control is not None
         out = self.rollout_dir(i)
-        options: dict[str, Any] = dict(attempts=r.attempts, concurrency=r.concurrency, on_failure=r.on_failure,
-                                       pass_threshold=r.pass_threshold)
         run_id, specs = prepare(self.tasks, r.toolchains, proxy=self.proxy.url, out=out, backend="local",
                                 fresh_verify_copy=r.fresh_verify_copy, run_id=f"{self.state.run_id}-i{i:03d}",
-                                **options)
-        resumes = self.state.resumes
-        earlier = {s.episode: [res for k in range(resumes) if (res := read_result(rerun(s, k))) is not None]
-                   for s in specs}
+                                sandbox=r.sandbox, **self.rollout_options())
+        while True:
+            ran = self.rollout_round(run_id, specs, out)
+            if not self.ensure_engine(i, "the end of the rollout"):
+                break
+            void_results(ran)
+            self.console.print(f"  the {len(ran)} episodes that ran against the dead engine run again")
+        self.control.status()  # every answered call is in the flow file before reconstruct reads it
+
+    def rollout_options(self) -> dict[str, Any]:
+        r = self.cfg.rollout
+        return dict(attempts=r.attempts, concurrency=r.concurrency, on_failure=r.on_failure,
+                    pass_threshold=r.pass_threshold)
+
+    def rollout_round(self, run_id: str, specs: list[EpisodeSpec], out: Path) -> list[EpisodeSpec]:
+        """Run the episodes of `specs` that no earlier try finished (under new ids: `rerun`); what it ran."""
+        from openforge.rollout.runner import execute, read_result
+
+        r = self.cfg.rollout
+        rounds = self.state.resumes + self.state.restarts  # earlier tries of unfinished episodes
+        earlier = {s.episode: [res for k in range(rounds) if (res := read_result(rerun(s, k))) is not None
+                               and finished(res, r.on_failure)] for s in specs}
         done = [found[0] for found in earlier.values() if found]
-        todo = [rerun(s, resumes) if Path(s.out_dir).exists() else s for s in specs if not earlier[s.episode]]
+        todo = [rerun(s, rounds) if Path(s.out_dir).exists() else s for s in specs if not earlier[s.episode]]
         if done:
             self.console.print(f"  {len(done)} episodes finished before the interruption; {len(todo)} to run")
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -278,8 +353,9 @@ class RLRun:
                 reward = "-" if res.reward is None else f"{res.reward:.2f}"
                 progress.update(bar, advance=1, description=f"rollout: {res.task_id} {res.status} {reward}")
 
-            execute(run_id, todo, out=out, on_done=one_done, done=done, **options)
-        self.control.status()  # every answered call is in the flow file before reconstruct reads it
+            execute(run_id, todo, out=out, on_done=one_done, done=done, sandbox=r.sandbox,
+                    client_token=self.client_token, reward_token=self.reward_token, **self.rollout_options())
+        return todo
 
     def reconstruct(self, i: int) -> None:
         """The new flow records into the run's DuckDB; the iteration's episodes into `rl_episodes`."""
@@ -289,26 +365,41 @@ class RLRun:
         with self.console.status("reconstruct: flow files -> samples"):
             summary = reconstruct([self.flow_dir], self.db, self.tokenizer(), run=self.state.run_id,
                                   advantage=r.advantage, group_by=r.group_by, train_roles=r.train_roles,
-                                  chat_template=r.chat_template or None)
-            results = [EpisodeResult(**json.loads(x)) for x in
-                       (self.rollout_dir(i) / "results.jsonl").read_text().splitlines() if x]
-            con = duckdb.connect(str(self.db))
-            try:
-                con.execute(RL_EPISODES)
-                con.execute("DELETE FROM rl_episodes WHERE iteration = ?", [i])
-                con.executemany("INSERT INTO rl_episodes VALUES (?, ?, ?, ?, ?, ?, ?)",
-                                [(i, x.episode, x.task_id, x.toolchain, x.attempt, x.status, x.reward)
-                                 for x in results])
-            finally:
-                con.close()
+                                  chat_template=r.chat_template or None,
+                                  flow_key=read_secret(self.secrets / "flow.key").encode())
         self.console.print(f"  reconstruct: {summary.calls} new calls, {summary.samples} samples rebuilt "
                            f"({summary.seconds:.1f} s)")
+        self.record_episodes(i)
+
+    def record_episodes(self, i: int) -> None:
+        """The iteration's results into `rl_episodes`; each checked against the reward reconstruct stored
+        for it: a mismatch goes to `rl_reward_mismatches` (left out of training) and gets a warning."""
+        results = [EpisodeResult(**json.loads(x)) for x in
+                   (self.rollout_dir(i) / "results.jsonl").read_text().splitlines() if x]
+        con = duckdb.connect(str(self.db))
+        try:
+            ensure_tables(con)
+            con.execute("DELETE FROM rl_episodes WHERE iteration = ?", [i])
+            con.executemany("INSERT INTO rl_episodes VALUES (?, ?, ?, ?, ?, ?, ?)",
+                            [(i, x.episode, x.task_id, x.toolchain, x.attempt, x.status, x.reward)
+                             for x in results])
+            found = reward_mismatches(con, results)
+            con.execute("DELETE FROM rl_reward_mismatches WHERE iteration = ?", [i])
+            con.executemany("INSERT INTO rl_reward_mismatches VALUES (?, ?, ?, ?)", [(i, *m) for m in found])
+        finally:
+            con.close()
+        if found:
+            shown = ", ".join(f"{ep} (result.json {_num(a)}, DuckDB {_num(b)})" for ep, a, b in found[:3])
+            more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            self.console.print(f"  [yellow]warning:[/] {len(found)} episodes' rewards in {self.db.name} differ "
+                               f"from their result.json: {shown}{more}; left out of training")
 
     def selection(self, i: int) -> str:
         """The samples iteration i trains on: its window's rollout episodes, at the versions that ran them."""
         lo = max(0, i - self.cfg.loop.window + 1)
         return (f"policy_version BETWEEN {lo} AND {i} AND episode_id IN "
-                f"(SELECT episode_id FROM rl_episodes WHERE iteration BETWEEN {lo} AND {i})")
+                f"(SELECT episode_id FROM rl_episodes WHERE iteration BETWEEN {lo} AND {i}) AND episode_id NOT IN "
+                f"(SELECT episode_id FROM rl_reward_mismatches)")
 
     def train(self, i: int) -> None:
         """Policy-gradient steps on the selection, continuing the weights and optimizer state of the last
@@ -329,6 +420,11 @@ class RLRun:
         if s.train_start_step < 0:
             s.train_start_step = latest_step
             s.save(self.state_path)
+        con = duckdb.connect(str(self.db))
+        try:
+            ensure_tables(con)  # a run an older OpenForge started has no rl_reward_mismatches
+        finally:
+            con.close()
         where = self.selection(i)
         if not count_samples(self.db, where):
             self.console.print("  [yellow]no trainable samples this iteration[/]: the policy stays as it is")
@@ -343,22 +439,42 @@ class RLRun:
             raise RLError(f"training refused: {e}") from None
         s.checkpoint = str(final)
 
+    def publishable(self) -> Path | None:
+        """The checkpoint to serve: this iteration's if it loads with finite weights, else the newest one that
+        does (each rejected one named in a warning); None when there is none."""
+        s = self.state
+        candidates = [Path(s.checkpoint)] if s.checkpoint else []
+        candidates += sorted((p for p in (self.train_out / "checkpoints").glob("step_*")
+                              if p.suffix != ".tmp" and p not in candidates), reverse=True)
+        for path in candidates:
+            try:
+                check_checkpoint(path)
+                return path
+            except CheckpointInvalid as e:
+                self.console.print(f"  [yellow]warning:[/] not publishing {path}: {e}")
+        return None
+
     def publish(self, i: int) -> None:
-        """Pause the proxy, give the engine the new weights, resume with policy version i + 1."""
+        """Pause the proxy, give the engine the new weights, resume with policy version i + 1. Only a valid
+        checkpoint is published; any failure is an RLError (one line), the proxy left paused."""
         assert self.control is not None and self.policy is not None
         s = self.state
-        with self.console.status(f"publish policy version {i + 1}"):
-            if s.checkpoint:
-                served, paused = publish_weights(self.control, self.policy, Path(s.checkpoint), i + 1,
-                                                 self.gguf_dir, self.cfg.proxy.pause_timeout)
-                s.served = str(served)
-            else:  # nothing trained: the same weights under the next version
-                paused = 0.0
-                self.control.pause(self.cfg.proxy.pause_timeout)
-                self.control.resume(i + 1)
+        try:
+            with self.console.status(f"publish policy version {i + 1}"):
+                checkpoint = self.publishable() if s.checkpoint else None
+                if checkpoint is not None:
+                    served, paused = publish_weights(self.control, self.policy, checkpoint, i + 1,
+                                                     self.gguf_dir, self.cfg.proxy.pause_timeout)
+                    s.served, s.checkpoint = str(served), str(checkpoint)
+                else:  # nothing trained, or nothing valid: the same weights under the next version
+                    paused = 0.0
+                    self.control.pause(self.cfg.proxy.pause_timeout)
+                    self.control.resume(i + 1)
+        except Exception as e:  # noqa: BLE001 - export, engine restart, proxy: each failure is one line
+            raise RLError(f"publishing policy version {i + 1} failed: {type(e).__name__}: {e}") from None
         s.version = i + 1
         s.seconds["paused"] = round(paused, 3)
-        prune_checkpoints(self.train_out, self.cfg.loop.keep_checkpoints)
+        prune_checkpoints(self.train_out, self.cfg.loop.keep_checkpoints, keep_also=s.checkpoint)
         for old in self.gguf_dir.glob("policy-*.gguf"):
             if str(old) != s.served:
                 old.unlink()
@@ -377,6 +493,8 @@ class RLRun:
             samples, trainable = con.execute(
                 f"SELECT count(*), coalesce(sum(n_trainable), 0) FROM samples WHERE n_trainable > 0 AND "
                 f"{self.selection(i)} AND policy_version = {i}").fetchone()
+            mismatches = con.execute("SELECT count(*) FROM rl_reward_mismatches WHERE iteration = ?",
+                                     [i]).fetchone()[0]
         finally:
             con.close()
         return {
@@ -391,6 +509,7 @@ class RLRun:
             "train_steps": len(metrics),
             "train_step_range": [metrics[0]["step"], metrics[-1]["step"]] if metrics else None,
             "train": {k: sum(m[k] for m in metrics) / len(metrics) for k in METRIC_MEANS} if metrics else None,
+            "reward_mismatches": mismatches,
             "checkpoint": self.state.checkpoint or None, "served": self.state.served or str(self.start_weights),
             "seconds": dict(self.state.seconds),
         }
@@ -406,6 +525,53 @@ def rerun(spec: EpisodeSpec, resume: int) -> EpisodeSpec:
     ep_dir = Path(spec.out_dir).with_name(episode)
     return dataclasses.replace(spec, episode=episode, out_dir=str(ep_dir), workdir=str(ep_dir / "work"),
                                home=str(ep_dir / "home"))
+
+
+def finished(result: EpisodeResult, on_failure: str) -> bool:
+    """Whether an earlier try's result counts on resume: the episode ran to its end, and the reward it had to
+    post reached the proxy. A SIGTERM leaves `crashed: interrupted`; a kill -9 of the loop takes the proxy
+    with it, so the agent fails and its reward post with it."""
+    if result.status == "crashed" and result.reason == "interrupted":
+        return False
+    return result.reward_posted or not (result.reward is not None or on_failure == "zero")
+
+
+def void_results(specs: list[EpisodeSpec]) -> None:
+    """Set aside the result.json of episodes that ran against a dead engine (as result.void.json), so that
+    they run again under new ids."""
+    for spec in specs:
+        result = Path(spec.out_dir) / "result.json"
+        if result.is_file():
+            result.replace(result.with_name("result.void.json"))
+
+
+def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(RL_EPISODES)
+    con.execute(RL_MISMATCHES)
+
+
+def posted_reward(result: EpisodeResult) -> float | None:
+    """The reward the episode posted to the proxy: the verifier's, 0.0 for a failure under on_failure=zero,
+    None when nothing reached it."""
+    if not result.reward_posted:
+        return None
+    return result.reward if result.reward is not None else 0.0
+
+
+def reward_mismatches(con: duckdb.DuckDBPyConnection,
+                      results: list[EpisodeResult]) -> list[tuple[str, float | None, float | None]]:
+    """(episode, reward it posted, reward in DuckDB) for each episode of `results` whose DuckDB reward (table
+    episodes, what reconstruct read from the flow files) is not the one its result.json says it posted."""
+    stored = dict(con.execute("SELECT episode_id, reward FROM episodes WHERE episode_id IN "
+                              "(SELECT unnest(?::VARCHAR[]))", [[r.episode for r in results]]).fetchall())
+    found = []
+    for r in results:
+        if r.episode not in stored:
+            continue  # no call of it reached the proxy: nothing to train
+        mine, theirs = posted_reward(r), stored[r.episode]
+        if (mine is None) != (theirs is None) or (mine is not None and abs(mine - theirs) > REWARD_TOLERANCE):
+            found.append((r.episode, mine, theirs))
+    return found
 
 
 def count_samples(db: Path, where: str) -> int:
@@ -425,11 +591,21 @@ def zero_variance_share(results: list[dict[str, Any]]) -> float | None:
     return round(sum(len(v) == 1 for v in groups.values()) / len(groups), 6) if groups else None
 
 
-def prune_checkpoints(train_out: Path, keep: int) -> None:
-    """Keep the newest `keep` trainer checkpoints (weights and optimizer state: 1.6 GB each for 135M)."""
-    done = sorted(p for p in (train_out / "checkpoints").glob("step_*") if p.suffix != ".tmp")
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def prune_checkpoints(train_out: Path, keep: int, keep_also: str = "") -> None:
+    """Keep the newest `keep` trainer checkpoints that load (weights and optimizer state: 1.6 GB each for
+    135M), and `keep_also` (the one served); damaged ones go, so they never crowd out the last good one."""
+    from openforge.trainer.checkpoint import CheckpointDamaged, check_weights
+
+    good: list[Path] = []
+    for path in sorted((p for p in (train_out / "checkpoints").glob("step_*") if p.suffix != ".tmp"), reverse=True):
+        try:
+            check_weights(path)
+            good.append(path)
+        except CheckpointDamaged:
+            shutil.rmtree(path, ignore_errors=True)
+    for old in good[keep:]:
+        if str(old) != keep_also:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -505,6 +681,10 @@ def load(config: Path | None, sets: dict[str, Any], out: Path, resume: bool) -> 
 def _brief(group: dict[str, Any]) -> dict[str, Any]:
     return {"episodes": group["episodes"], "reward_mean": group["mean_reward"], "pass_at_k": group["pass_at_k"],
             "pass_all_k": group["pass_all_k"]}
+
+
+def _num(x: float | None) -> str:
+    return "none" if x is None else f"{x:g}"
 
 
 def _pct(x: float | None) -> str:

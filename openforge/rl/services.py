@@ -3,32 +3,38 @@ the engine while the proxy holds new calls (pause -> publish -> resume with the 
 
 llama.cpp cannot swap weights in place: publishing exports the checkpoint to GGUF (f16) and restarts the
 server on the same port. vLLM (development mode, never facing the network) reloads them in place.
+
+Secrets reach both servers as files in the run's `secrets/` directory (0600 in a 0700 directory), never
+through a command line or an environment: the engine requires a key only the proxy and the loop hold.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from openforge.engine import EmbeddedEngine, EngineError, EngineProcess
-from openforge.processes import Child, free_port, listens, mitmdump_command
+from openforge.processes import Child, free_port, listens, mitmdump_command, without_secrets
 from openforge.rl.config import RLConfig
 
 
 class ProxyProcess:
     """`mitmdump -s addons/openforge.py` in reverse mode in front of the engine, stopped with SIGINT so the
-    addon writes in-flight exchanges and closes its flow file. Tokens reach it through its environment
-    (never its command line); its log has the addon's line per call (`flow_detail=0`)."""
+    addon writes in-flight exchanges and closes its flow file. Secrets reach it as files (`secret_files`:
+    option name -> path, e.g. `openforge_reward_tokens_file`), never its command line or environment; its
+    log has the addon's line per call (`flow_detail=0`)."""
 
     def __init__(self, upstream: str, flow_dir: Path, log_path: Path, *, profile: str, routes: dict[str, Any],
-                 env: dict[str, str] | None = None, policy_version: int = 0, pause_timeout: float = 300.0,
-                 port: int = 0) -> None:
+                 secret_files: Mapping[str, Path] | None = None, policy_version: int = 0,
+                 pause_timeout: float = 300.0, port: int = 0) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flow_dir = flow_dir
@@ -37,8 +43,9 @@ class ProxyProcess:
             f"openforge_flow_dir={flow_dir}", f"openforge_engine_profile={profile}",
             "openforge_models=" + json.dumps(routes), f"openforge_policy_version={policy_version}",
             f"openforge_pause_timeout={pause_timeout:g}", f"confdir={flow_dir.parent / 'mitmproxy'}",
+            *(f"{name}={path}" for name, path in (secret_files or {}).items()),
         ])
-        self.log_path, self.env = log_path, env
+        self.log_path, self.env = log_path, without_secrets(os.environ)
         self.child: Child | None = None
 
     def __enter__(self) -> ProxyProcess:
@@ -110,6 +117,15 @@ class Policy:
     def stop(self) -> None:
         self.engine.stop()
 
+    def alive(self) -> bool:
+        """The engine process runs and answers /health."""
+        return self.engine.alive()
+
+    def restart(self) -> None:
+        """The same weights again, on the same port (the proxy's upstream)."""
+        self.engine.stop()
+        self.engine.start()
+
     @property
     def url(self) -> str:
         return self.engine.url
@@ -124,14 +140,14 @@ class LlamaCppPolicy(Policy):
 
     profile = "llamacpp"
 
-    def __init__(self, cfg: RLConfig, template_gguf: Path, served: Path, log_path: Path) -> None:
-        self.cfg, self.template_gguf, self.log_path = cfg, template_gguf, log_path
+    def __init__(self, cfg: RLConfig, template_gguf: Path, served: Path, log_path: Path, key_file: Path) -> None:
+        self.cfg, self.template_gguf, self.log_path, self.key_file = cfg, template_gguf, log_path, key_file
         self.engine = self._engine(served, port=0)
 
     def _engine(self, gguf: Path, port: int) -> EmbeddedEngine:
         e = self.cfg.engine
         return EmbeddedEngine(gguf, port=port, n_ctx=e.max_model_len, n_parallel=e.parallel, threads=e.threads,
-                              log_path=self.log_path)
+                              log_path=self.log_path, api_key_file=self.key_file)
 
     def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
         from safetensors.torch import load_file
@@ -152,18 +168,45 @@ class VllmPolicy(Policy):
 
     profile = "vllm"
 
-    def __init__(self, cfg: RLConfig, served: Path, log_path: Path) -> None:
+    def __init__(self, cfg: RLConfig, served: Path, log_path: Path, key_file: Path) -> None:
         from openforge.vllm_engine import VllmEngine
 
         e = cfg.engine
-        self.engine = VllmEngine(served, name=e.name, max_model_len=e.max_model_len, threads=e.threads,
-                                 dev_mode=True, log_path=log_path)
+        self.engine: VllmEngine = VllmEngine(served, name=e.name, max_model_len=e.max_model_len,
+                                             threads=e.threads, dev_mode=True, log_path=log_path,
+                                             api_key_file=key_file)
 
     def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
         from openforge.vllm_engine import reload_weights
 
-        reload_weights(self.engine.url, checkpoint)
+        reload_weights(self.engine.url, checkpoint, headers=self.engine.headers())
+        self.engine.model_dir = checkpoint  # what a restart serves
         return checkpoint
+
+
+class CheckpointInvalid(ValueError):
+    """A checkpoint that must not be served: it does not load, or a weight is NaN or infinite."""
+
+
+def check_checkpoint(path: Path) -> None:
+    """The checkpoint's weights load and are all finite; CheckpointInvalid saying why not."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from openforge.trainer.checkpoint import CheckpointDamaged, check_weights
+
+    try:
+        check_weights(path)
+        files = sorted(path.glob("*.safetensors"))
+        for file in files:
+            for name, tensor in load_file(str(file)).items():
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise CheckpointInvalid(f"{file.name}: {name} is not finite")
+    except (CheckpointDamaged, SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointInvalid(str(e) or type(e).__name__) from None
+    if not files:
+        raise CheckpointInvalid("no safetensors weights")
 
 
 def publish(control: ControlAPI, policy: Policy, checkpoint: Path, version: int, out: Path,
