@@ -132,6 +132,10 @@ class SampleSource:
             ("behaviour_logprobs IS NOT NULL AND coalesce(list_bool_or(list_transform(list_zip(loss_mask, "
              "behaviour_logprobs)[2:], lambda t: t[1] <> 0 AND NOT isfinite(t[2]))), false)",
              "have non-finite behaviour_logprobs on trainable tokens", rebuild),
+            ("behaviour_logprobs IS NOT NULL AND coalesce(list_bool_or(list_transform(list_zip(loss_mask, "
+             "behaviour_logprobs)[2:], lambda t: t[1] <> 0 AND t[2] > 0)), false)",
+             "have behaviour_logprobs > 0 on trainable tokens (a probability above 1: no engine samples that)",
+             rebuild),
         ]
         if needs_advantage:
             checks += [
