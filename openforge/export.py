@@ -180,6 +180,10 @@ def open_selection(db: Path, where: str, fmt: str) -> tuple[duckdb.DuckDBPyConne
         raise ExportError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
     try:
         meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
+    except duckdb.Error:
+        con.close()
+        raise ExportError(f"{db} is a DuckDB file that `openforge reconstruct` did not write (no meta table)") from None
+    try:
         if meta.get("schema_version") != SCHEMA_VERSION:
             con.close()
             raise ExportError(f"{db} has schema version {meta.get('schema_version')}, this export reads "

@@ -192,12 +192,17 @@ def test_cli_writes_and_refuses_bad_input(built: tuple[Path, list[list[int]]], t
     code, _ = run_cli("--db", str(db), "--format", "trl", "--out", str(tmp_path / "a" / "t.parquet"))
     assert code == 0 and pq.read_table(tmp_path / "a" / "t.parquet").num_rows == len(expected(db))
     (tmp_path / "file").write_text("")
+    other = tmp_path / "other.duckdb"
+    with duckdb.connect(str(other)) as con:
+        con.execute("CREATE TABLE t (x INTEGER)")
     bad = {
         "no database": ["--db", str(tmp_path / "none.duckdb"), "--format", "parquet", "--out", str(tmp_path / "x")],
         "bad where": ["--db", str(db), "--format", "parquet", "--out", str(tmp_path / "x"), "--where", "nope >"],
         "no rows": ["--db", str(db), "--format", "verl", "--out", str(tmp_path / "x"), "--where", "reward > 9"],
         "unwritable": ["--db", str(db), "--format", "slime", "--out", str(tmp_path / "file" / "slime")],
         "unwritable file": ["--db", str(db), "--format", "parquet", "--out", str(tmp_path / "file" / "o.parquet")],
+        "not duckdb": ["--db", str(tmp_path / "file"), "--format", "parquet", "--out", str(tmp_path / "x")],
+        "not reconstruct's": ["--db", str(other), "--format", "parquet", "--out", str(tmp_path / "x")],
     }
     for case, args in bad.items():
         code, err = run_cli(*args)
