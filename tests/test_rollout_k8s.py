@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -238,6 +239,42 @@ def test_the_pod_keeps_the_spec_from_the_agent(specs: list[EpisodeSpec]) -> None
     assert init["command"] == ["sh", "-c", "chmod 0755 /episode && chmod 1777 /tmp"]
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert EpisodeSpec.from_json(k8s.configmap(specs[0], OPTIONS)["data"]["spec.json"]).sandbox == "uid"
+
+
+# What the root episode process does around an agent in sandbox mode "uid" (openforge/rollout/sandbox.py):
+# give it the workspace, start it as uid 65534 with no new privileges, kill its group, copy and remove what it
+# left (a directory it made 0500, a file it made 000).
+UID_STEP = r"""
+import ctypes, os, shutil, signal, subprocess, sys
+work = sys.argv[1]
+os.makedirs(work)
+os.lchown(work, 65534, 65534)
+no_new_privs = lambda: ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0)
+agent = subprocess.Popen(["sh", "-c", "mkdir -p d && echo s > d/f && chmod 000 d/f && chmod 500 d && "
+                          "echo ready && exec sleep 20"], cwd=work, user=65534, group=65534, extra_groups=[],
+                         preexec_fn=no_new_privs, start_new_session=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+agent.stdout.readline()
+os.killpg(agent.pid, signal.SIGKILL)
+agent.wait()
+shutil.copytree(work, work + ".verify", symlinks=True)
+assert open(work + ".verify/d/f").read() == "s\n"
+shutil.rmtree(work)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+@pytest.mark.parametrize("missing", [None, *k8s.CAPABILITIES])
+def test_the_pod_capabilities_are_what_uid_mode_needs(tmp_path: Path, missing: str | None) -> None:
+    """With exactly the Job's capabilities (as the bounding set, no-new-privileges: what the container gets)
+    the steps succeed; without any one of them they fail."""
+    caps = ",".join(f"+{c.lower()}" for c in k8s.CAPABILITIES if c != missing)
+    tmp_path.chmod(0o755)
+    done = subprocess.run(["setpriv", "--inh-caps=-all", f"--bounding-set=-all,{caps}", "--no-new-privs",
+                           sys.executable, "-I", "-c", UID_STEP, str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.stdout.strip() == "ok") == (missing is None), (missing, done.stderr[-500:])
 
 
 def test_bad_specs_are_refused(specs: list[EpisodeSpec], tmp_path: Path) -> None:
