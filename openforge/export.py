@@ -258,6 +258,8 @@ def check_out(db: Path, fmt: str, out: Path, force: bool) -> None:
     db_real, out_real = db.resolve(), out.resolve()
     if out_real == db_real or (out.exists() and db.exists() and os.path.samefile(out, db)):
         raise ExportError(f"--out {out} is the database {db}: write the export to another path")
+    if out_real == db_real.with_name(db_real.name + ".wal"):
+        raise ExportError(f"--out {out} is the database's write-ahead log: write the export to another path")
     if fmt == "slime" and db_real.is_relative_to(out_real):
         raise ExportError(f"--out {out} holds the database {db}, and slime writes {{k}}.pt files there: "
                           "write the export to another directory")

@@ -282,6 +282,8 @@ def test_out_that_is_the_database_is_refused_in_any_spelling(built: tuple[Path, 
             assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (out, err)
             assert "is the database" in err, (out, err)
     assert db.read_bytes() == before
+    code, err = run_cli("--db", str(db), "--format", fmt, "--out", "./runs.duckdb.wal", "--force")
+    assert code == 2 and "write-ahead log" in err and not (tmp_path / "runs.duckdb.wal").exists()
 
 
 def test_slime_out_holding_the_database_is_refused(built: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
