@@ -10,6 +10,10 @@ are installed: $OPENFORGE_TOOLS_DIR, else `.tools` of this checkout), `{python}`
 episode process, so `{tools}` and `{python}` are those of the machine (or pod) that runs it. Other braces
 (JSON in a config file) are left as they are.
 
+An `env` variable named like a credential (`SECRET_NAME`: `*_API_KEY`, `*_TOKEN`, `OPENFORGE_UPSTREAM_KEY`) may
+only be `{api_key}`, the agent's own proxy key: the agent reads its whole environment, so a literal secret in
+a toolchain file would be the agent's too.
+
 These files are also how `toolchains/run.py` runs the CLIs outside a rollout (tests, trace capture): both
 render them with `render_adapter`.
 """
