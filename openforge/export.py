@@ -4,6 +4,7 @@ holds one batch (slime: one output file) in memory, never the table."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,10 @@ def open_selection(db: Path, where: str, fmt: str) -> tuple[duckdb.DuckDBPyConne
         raise ExportError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
     try:
         meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
+    except duckdb.Error:
+        con.close()
+        raise ExportError(f"{db} is a DuckDB file that `openforge reconstruct` did not write (no meta table)") from None
+    try:
         if meta.get("schema_version") != SCHEMA_VERSION:
             con.close()
             raise ExportError(f"{db} has schema version {meta.get('schema_version')}, this export reads "
@@ -242,10 +247,36 @@ def write_slime(batches: Iterator[list[Row]], out: Path, progress: Progress, n: 
         flush()
 
 
-def export(db: Path, fmt: str, out: Path, where: str = "", progress: Progress = lambda done, total: None) -> int:
-    """Write the selected samples (n_trainable > 0 and `where`) to `out` in `fmt`; returns the sample count."""
+def slime_files(out: Path) -> list[Path]:
+    """The `{k}.pt` files of a slime export in `out` (what `write_slime` writes, and nothing else)."""
+    return [p for p in out.glob("*.pt") if p.stem.isdigit()] if out.is_dir() else []
+
+
+def check_out(db: Path, fmt: str, out: Path, force: bool) -> None:
+    """Refuse an `out` that is the database in any spelling (relative, `..`, a symlink or hard link) or, for
+    slime, a directory holding it, with or without `force`; and an existing output without `force`."""
+    db_real, out_real = db.resolve(), out.resolve()
+    if out_real == db_real or (out.exists() and db.exists() and os.path.samefile(out, db)):
+        raise ExportError(f"--out {out} is the database {db}: write the export to another path")
+    if out_real == db_real.with_name(db_real.name + ".wal"):
+        raise ExportError(f"--out {out} is the database's write-ahead log: write the export to another path")
+    if fmt == "slime" and db_real.is_relative_to(out_real):
+        raise ExportError(f"--out {out} holds the database {db}, and slime writes {{k}}.pt files there: "
+                          "write the export to another directory")
+    existing = slime_files(out) if fmt == "slime" else [out] if out.exists() or out.is_symlink() else []
+    if existing and not force:
+        what = f"{out} holds a slime export ({len(existing)} {{k}}.pt files)" if fmt == "slime" else f"{out} exists"
+        raise ExportError(f"{what}: pass --force to overwrite it, or choose another --out")
+
+
+def export(db: Path, fmt: str, out: Path, where: str = "", progress: Progress = lambda done, total: None,
+           force: bool = False) -> int:
+    """Write the selected samples (n_trainable > 0 and `where`) to `out` in `fmt`; returns the sample count.
+    `force`: overwrite an existing output (slime: its `{k}.pt` files are removed first, so none of a former,
+    larger export is read with this one); the database itself is never overwritten."""
     if fmt not in FORMATS:
         raise ExportError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    check_out(db, fmt, out, force)
     con, sql, n = open_selection(db, where, fmt)
     try:
         target = out if fmt == "slime" else out.parent
@@ -255,6 +286,8 @@ def export(db: Path, fmt: str, out: Path, where: str = "", progress: Progress = 
             raise ExportError(f"cannot write {out}: {e}") from None
         try:
             if fmt == "slime":
+                for stale in slime_files(out):
+                    stale.unlink()
                 write_slime(rows(con, sql), out, progress, n)
             else:
                 write_table(rows(con, sql), fmt, out, progress, n)

@@ -192,12 +192,17 @@ def test_cli_writes_and_refuses_bad_input(built: tuple[Path, list[list[int]]], t
     code, _ = run_cli("--db", str(db), "--format", "trl", "--out", str(tmp_path / "a" / "t.parquet"))
     assert code == 0 and pq.read_table(tmp_path / "a" / "t.parquet").num_rows == len(expected(db))
     (tmp_path / "file").write_text("")
+    other = tmp_path / "other.duckdb"
+    with duckdb.connect(str(other)) as con:
+        con.execute("CREATE TABLE t (x INTEGER)")
     bad = {
         "no database": ["--db", str(tmp_path / "none.duckdb"), "--format", "parquet", "--out", str(tmp_path / "x")],
         "bad where": ["--db", str(db), "--format", "parquet", "--out", str(tmp_path / "x"), "--where", "nope >"],
         "no rows": ["--db", str(db), "--format", "verl", "--out", str(tmp_path / "x"), "--where", "reward > 9"],
         "unwritable": ["--db", str(db), "--format", "slime", "--out", str(tmp_path / "file" / "slime")],
         "unwritable file": ["--db", str(db), "--format", "parquet", "--out", str(tmp_path / "file" / "o.parquet")],
+        "not duckdb": ["--db", str(tmp_path / "file"), "--format", "parquet", "--out", str(tmp_path / "x")],
+        "not reconstruct's": ["--db", str(other), "--format", "parquet", "--out", str(tmp_path / "x")],
     }
     for case, args in bad.items():
         code, err = run_cli(*args)
@@ -255,3 +260,72 @@ def test_text_samples_export_without_images_and_an_old_schema_is_refused(built: 
         con.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
     with pytest.raises(ExportError, match="schema version 5, this export reads 6: run `openforge reconstruct`"):
         export(old, "parquet", tmp_path / "old.parquet")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_out_that_is_the_database_is_refused_in_any_spelling(built: tuple[Path, list[list[int]]], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """Today parquet, verl and trl wrote over the database and exited 0: every spelling of --db as --out is
+    refused, with --force too, and the database is unchanged."""
+    db = tmp_path / "runs.duckdb"
+    shutil.copy(built[0], db)
+    before = db.read_bytes()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.duckdb").symlink_to(db)
+    (tmp_path / "hard.duckdb").hardlink_to(db)
+    monkeypatch.chdir(tmp_path)
+    spellings = [str(db), "runs.duckdb", "./runs.duckdb", "sub/../runs.duckdb", str(tmp_path / "link.duckdb"),
+                 "hard.duckdb"]
+    for out in spellings:
+        for force in ([], ["--force"]):
+            code, err = run_cli("--db", str(db), "--format", fmt, "--out", out, *force)
+            assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (out, err)
+            assert "is the database" in err, (out, err)
+    assert db.read_bytes() == before
+    code, err = run_cli("--db", str(db), "--format", fmt, "--out", "./runs.duckdb.wal", "--force")
+    assert code == 2 and "write-ahead log" in err and not (tmp_path / "runs.duckdb.wal").exists()
+
+
+def test_slime_out_holding_the_database_is_refused(built: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
+    """slime writes OUT/{k}.pt: a database named 0.pt inside --out would be overwritten."""
+    db = tmp_path / "slime" / "0.pt"
+    db.parent.mkdir()
+    shutil.copy(built[0], db)
+    code, err = run_cli("--db", str(db), "--format", "slime", "--out", str(tmp_path / "slime"), "--force")
+    assert code == 2 and "database" in err and err.count("\n") == 1
+    assert db.read_bytes() == built[0].read_bytes()
+
+
+def torch_samples(out: Path) -> int:
+    import torch
+
+    return sum(len(torch.load(p, weights_only=True)["samples"]) for p in out.glob("*.pt"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_existing_output_needs_force(built: tuple[Path, list[list[int]]], tmp_path: Path, fmt: str) -> None:
+    db, _ = built
+    out = tmp_path / ("slime" if fmt == "slime" else "out.parquet")
+    if fmt == "slime":
+        out.mkdir()
+        (out / "0.pt").write_text("mine")
+        (out / "7.pt").write_text("stale")  # a former, larger export: not left behind to be loaded with the new one
+        (out / "notes.txt").write_text("kept")
+    else:
+        out.write_text("mine")
+    code, err = run_cli("--db", str(db), "--format", fmt, "--out", str(out))
+    assert code == 2 and err.startswith("error: ") and "--force" in err and err.count("\n") == 1, err
+    assert (out / "0.pt" if fmt == "slime" else out).read_text() == "mine"
+    code, err = run_cli("--db", str(db), "--format", fmt, "--out", str(out), "--force")
+    assert code == 0, err
+    if fmt == "slime":
+        assert not (out / "7.pt").exists() and (out / "notes.txt").read_text() == "kept"
+        assert torch_samples(out) == len(expected(db))
+    else:
+        assert pq.read_table(out).num_rows == len(expected(db))
+
+
+def test_an_empty_slime_directory_is_not_an_existing_output(built: tuple[Path, list[list[int]]],
+                                                            tmp_path: Path) -> None:
+    (tmp_path / "slime").mkdir()
+    assert export(built[0], "slime", tmp_path / "slime") == len(expected(built[0]))

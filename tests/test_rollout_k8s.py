@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -152,7 +154,8 @@ def test_labels_names_deadlines_and_pod_settings(specs: list[EpisodeSpec], tmp_p
 def test_the_configmap_holds_the_pod_paths_spec_with_its_task_files(specs: list[EpisodeSpec]) -> None:
     cm = k8s.configmap(specs[0], OPTIONS)
     pod = EpisodeSpec.from_json(cm["data"]["spec.json"])
-    assert pod == replace(specs[0], workdir="/episode/workdir", home="/episode/home", out_dir="/episode/out")
+    assert pod == replace(specs[0], workdir="/episode/workdir", home="/episode/home", out_dir="/episode/out",
+                          sandbox="uid")
     assert pod.task.files == {"src/a.py": "x = 1\n"}
     assert cm["data"]["NODE_OPTIONS"] == "--max-old-space-size=2048"
 
@@ -168,19 +171,110 @@ def test_the_configmap_holds_the_pod_paths_spec_with_its_task_files(specs: list[
     ({"proxy_pod_labels": {}, "proxy_cidr": "proxy.local"}, "'proxy.local' is not an IP block"),
     ({"labels": {"team": "r l"}}, "team='r l' is not a valid label value"),
     ({"labels": {"openforge/run": "x"}}, "OpenForge sets itself"),
-    ({"env": {REWARD_TOKEN_ENV: "x"}}, "set from its Secret"),
+    ({"env": {REWARD_TOKEN_ENV: "x"}}, "OPENFORGE_REWARD_TOKEN looks like a secret"),
     ({"env": {"1BAD": "x"}}, "not a variable name"),
     ({"cpu_request": "two"}, "cpu request 'two' is not a Kubernetes quantity"),
     ({"memory_request": "8Gi"}, "memory request 8Gi is above its limit 4Gi"),
     ({"cpu_request": "2500m"}, "cpu request 2500m is above its limit 2"),
     ({"ttl_seconds_after_finished": -1}, "ttlSecondsAfterFinished -1 is negative"),
-    ({"run_as_user": 0}, "non-root"),
+    ({"ttl_seconds_after_finished": 2**31}, "ttlSecondsAfterFinished 2147483648 is past 2147483647"),
+    ({"deadline_margin_s": 2**63}, "deadline margin 9223372036854775808 is past 9223372036854775807"),
+    ({"cpu_limit": "9223372036854776"}, "cpu limit 9223372036854776 is past"),
+    ({"memory_limit": "9Ei"}, "memory limit 9Ei is past"),
+    ({"env": {"OPENAI_API_KEY": "sk-x"}}, "OPENAI_API_KEY looks like a secret"),
+    ({"env": {"GITHUB_TOKEN": "x"}}, "GITHUB_TOKEN looks like a secret"),
+    ({"env": {"hf_token": "x"}}, "hf_token looks like a secret"),
+    ({"env": {"OPENFORGE_UPSTREAM_KEY": "x"}}, "OPENFORGE_UPSTREAM_KEY looks like a secret"),
 ])
 def test_bad_options_are_refused_with_a_sentence(specs: list[EpisodeSpec], tmp_path: Path,
                                                  change: dict[str, Any], message: str) -> None:
     with pytest.raises(k8s.K8sOptionsError, match=message.replace("(", r"\(")):
         k8s.write_manifests(specs, replace(OPTIONS, **change), tmp_path)
     assert not tmp_path.joinpath("networkpolicy.yaml").exists()
+
+
+def test_values_at_the_api_limits_validate(specs: list[EpisodeSpec], tmp_path: Path) -> None:
+    """The largest values the checks let through are ones the API schema takes."""
+    at_limit = replace(OPTIONS, ttl_seconds_after_finished=2**31 - 1, deadline_margin_s=2**62,
+                       cpu_limit="9223372036854775m", memory_limit="7Ei", proxy_port=65535)
+    for doc in documents(k8s.write_manifests(specs[:1], at_limit, tmp_path)):
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+def test_a_deadline_past_int64_is_refused(specs: list[EpisodeSpec]) -> None:
+    endless = replace(specs[0], task=replace(specs[0].task, timeout_s=1e30))
+    with pytest.raises(k8s.K8sOptionsError, match="activeDeadlineSeconds .* is past 9223372036854775807"):
+        k8s.build([endless], OPTIONS)
+
+
+@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "ANTHROPIC_AUTH_TOKEN", "GITHUB_TOKEN", "OPENFORGE_UPSTREAM_KEY",
+                                  "hf_token"])
+def test_a_toolchain_env_with_a_literal_secret_is_refused(name: str) -> None:
+    """An adapter's env goes to the agent: a secret-named variable may only carry the agent's own proxy key."""
+    from openforge.rollout import adapters
+
+    ok = adapters.parse_adapter("cli", {"command": ["x"], "env": {name: "{api_key}"}}, "cli.toml")
+    assert ok.env == {name: "{api_key}"}
+    with pytest.raises(adapters.AdapterError, match=f"cli.toml: key 'env.{name}': looks like a secret"):
+        adapters.parse_adapter("cli", {"command": ["x"], "env": {name: "sk-live-123"}}, "cli.toml")
+    for builtin in adapters.builtin_names():
+        adapters.resolve(builtin)  # every built-in passes the check
+
+
+def test_the_pod_keeps_the_spec_from_the_agent(specs: list[EpisodeSpec]) -> None:
+    """The episode process runs as root and starts the agent as an unprivileged uid (sandbox "uid"): the spec
+    (verify command, expected answers) is a root-only file, no fsGroup makes it group-readable, the container
+    holds only the capabilities that drop to another uid, and the volumes' parents are not world-writable."""
+    job = k8s.job(specs[0], OPTIONS)
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {
+        "runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "KILL", "SETGID", "SETUID"]}}
+    assert "fsGroup" not in pod["securityContext"] and "runAsUser" not in pod["securityContext"]
+    (spec_volume,) = [v for v in pod["volumes"] if v["name"] == "spec"]
+    assert spec_volume["configMap"]["defaultMode"] == 0o400
+    assert all(i.get("mode", 0o400) == 0o400 for i in spec_volume["configMap"]["items"])
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["sh", "-c", "chmod 0755 /episode && chmod 1777 /tmp"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert EpisodeSpec.from_json(k8s.configmap(specs[0], OPTIONS)["data"]["spec.json"]).sandbox == "uid"
+
+
+# What the root episode process does around an agent in sandbox mode "uid" (openforge/rollout/sandbox.py):
+# give it the workspace, start it as uid 65534 with no new privileges, kill its group, copy and remove what it
+# left (a directory it made 0500, a file it made 000).
+UID_STEP = r"""
+import ctypes, os, shutil, signal, subprocess, sys
+work = sys.argv[1]
+os.makedirs(work)
+os.lchown(work, 65534, 65534)
+no_new_privs = lambda: ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0)
+agent = subprocess.Popen(["sh", "-c", "mkdir -p d && echo s > d/f && chmod 000 d/f && chmod 500 d && "
+                          "echo ready && exec sleep 20"], cwd=work, user=65534, group=65534, extra_groups=[],
+                         preexec_fn=no_new_privs, start_new_session=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+agent.stdout.readline()
+os.killpg(agent.pid, signal.SIGKILL)
+agent.wait()
+shutil.copytree(work, work + ".verify", symlinks=True)
+assert open(work + ".verify/d/f").read() == "s\n"
+shutil.rmtree(work)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+@pytest.mark.parametrize("missing", [None, *k8s.CAPABILITIES])
+def test_the_pod_capabilities_are_what_uid_mode_needs(tmp_path: Path, missing: str | None) -> None:
+    """With exactly the Job's capabilities (as the bounding set, no-new-privileges: what the container gets)
+    the steps succeed; without any one of them they fail."""
+    caps = ",".join(f"+{c.lower()}" for c in k8s.CAPABILITIES if c != missing)
+    tmp_path.chmod(0o755)
+    done = subprocess.run(["setpriv", "--inh-caps=-all", f"--bounding-set=-all,{caps}", "--no-new-privs",
+                           sys.executable, "-I", "-c", UID_STEP, str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.stdout.strip() == "ok") == (missing is None), (missing, done.stderr[-500:])
 
 
 def test_bad_specs_are_refused(specs: list[EpisodeSpec], tmp_path: Path) -> None:
@@ -221,9 +315,11 @@ def resolve_env(container: dict[str, Any], configmap: dict[str, Any], secrets: d
 def test_the_job_command_and_env_run_the_episode_entrypoint(tmp_path: Path, start_proxy: Any) -> None:
     """Read the Job and ConfigMap back from the written YAML, lay out the pod's volumes under a local root
     (the ConfigMap's items as files, emptyDirs as folders; the spec's pod paths mapped onto that root),
-    resolve every env entry as the kubelet would, and run the container's command. The agent is a shell
-    command that records its own environment; the verifier posts its reward to a real proxy that requires
-    the reward token."""
+    resolve every env entry as the kubelet would, and run the init container's and the container's
+    commands. The agent is a shell command that records its own environment; the verifier posts its reward
+    to a real proxy that requires the reward token. The pod's sandbox, "uid", needs a root episode process
+    and a tree the unprivileged uid can traverse: here the episode runs with sandbox "none" (the uid mode
+    itself is the sandbox's tests')."""
     pytest.importorskip("openforge.rollout.episode")
     from tests.support.scripted_engine import ScriptedEngine
 
@@ -249,7 +345,13 @@ def test_the_job_command_and_env_run_the_episode_entrypoint(tmp_path: Path, star
                 text = configmap["data"][item["key"]]
                 if item["key"] == k8s.SPEC_KEY:  # the pod's absolute paths, under the local root
                     text = text.replace(f'"{k8s.EPISODE_DIR}/', f'"{root}{k8s.EPISODE_DIR}/')
+                    text = text.replace('"sandbox": "uid"', '"sandbox": "none"')
                 (target / item["path"]).write_text(text)
+        (init,) = pod["initContainers"]
+        assert init["command"][:2] == ["sh", "-c"]
+        script = re.sub(r" (/episode|/tmp)\b", lambda m: f" {root}{m[1]}", init["command"][2])
+        subprocess.run(["sh", "-c", script], check=True, timeout=30)
+        assert (root / "episode").stat().st_mode & 0o7777 == 0o755 and (root / "tmp").stat().st_mode & 0o7777 == 0o1777
         command = [sys.executable if container["command"][0] == "python" else container["command"][0],
                    *[str(root) + a if a.startswith(k8s.SPEC_DIR + "/") else a for a in container["command"][1:]]]
         env = resolve_env(container, configmap, SECRETS)

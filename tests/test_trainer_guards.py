@@ -81,6 +81,8 @@ def damaged(samples: list[dict], damage: str) -> tuple[list[dict], str]:
         lp[first] = -math.inf
     elif damage == "nan_logprob":
         lp[first] = math.nan
+    elif damage == "positive_logprob":
+        lp[first] = 0.5  # a probability above 1: no engine samples that, a forger might write it
     elif damage == "token_id":
         bad["input_ids"] = bad["input_ids"][:-1] + [151936]  # the tiny model's embedding has 151936 rows
     elif damage == "nothing_trainable":
@@ -96,8 +98,9 @@ def damaged(samples: list[dict], damage: str) -> tuple[list[dict], str]:
     return out, bad["sample_id"]
 
 
-@pytest.mark.parametrize("damage", ["nan_advantage", "inf_advantage", "-inf_logprob", "nan_logprob", "token_id",
-                                    "nothing_trainable", "mask_length", "logprobs_length", "n_tokens"])
+@pytest.mark.parametrize("damage", ["nan_advantage", "inf_advantage", "-inf_logprob", "nan_logprob",
+                                    "positive_logprob", "token_id", "nothing_trainable", "mask_length",
+                                    "logprobs_length", "n_tokens"])
 def test_bad_samples_are_refused_before_step_1(tmp_path, tiny_qwen_dir, samples, damage):
     rows, bad_id = damaged(samples, damage)
     db = write_samples(tmp_path / "runs.duckdb", rows)

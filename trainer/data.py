@@ -24,6 +24,11 @@ class DataError(ValueError):
     """The selected samples cannot be trained on as asked; the message says what to change."""
 
 
+def first_line(e: Exception) -> str:
+    """DuckDB's message without the query excerpt it appends on later lines (an error is one line)."""
+    return str(e).strip().splitlines()[0]
+
+
 @dataclass
 class SampleImage:
     """One image of a sample: input_ids[token_start : token_start + n_tokens] are its pad tokens."""
@@ -67,9 +72,15 @@ class SampleSource:
         try:
             self.con = duckdb.connect(db, read_only=True)
         except duckdb.Error as e:
-            raise DataError(f"cannot open DuckDB file {db}: {e}") from None
+            raise DataError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
         self.filter = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
         self.shuffle, self.seed, self.tree = shuffle, seed, tree
+        try:  # binds the filter (columns, types) without reading a row
+            self.con.execute(f"SELECT sample_id FROM samples WHERE {self.filter} LIMIT 0")
+        except duckdb.Error as e:
+            self.con.close()
+            raise DataError(f"selection failed: {first_line(e)} (--where is SQL on the samples table: "
+                            f"{where!r})") from None
         self.side = self.con.cursor()  # images are read while `samples` streams from the main connection
 
     def __enter__(self) -> SampleSource:
@@ -98,7 +109,7 @@ class SampleSource:
         try:
             return self.con.execute(sql).fetchall()  # fetchall completes the result: the connection is free
         except duckdb.Error as e:
-            raise DataError(f"selection failed: {e}\n(the --where filter is SQL on the samples table)") from None
+            raise DataError(f"selection failed: {first_line(e)} (--where is SQL on the samples table)") from None
 
     def check(self, row_tokens: int, vocab_rows: int, needs_logprobs: bool, needs_advantage: bool,
               needs_weight: bool) -> int:
@@ -132,6 +143,10 @@ class SampleSource:
             ("behaviour_logprobs IS NOT NULL AND coalesce(list_bool_or(list_transform(list_zip(loss_mask, "
              "behaviour_logprobs)[2:], lambda t: t[1] <> 0 AND NOT isfinite(t[2]))), false)",
              "have non-finite behaviour_logprobs on trainable tokens", rebuild),
+            ("behaviour_logprobs IS NOT NULL AND coalesce(list_bool_or(list_transform(list_zip(loss_mask, "
+             "behaviour_logprobs)[2:], lambda t: t[1] <> 0 AND t[2] > 0)), false)",
+             "have behaviour_logprobs > 0 on trainable tokens (a probability above 1: no engine samples that)",
+             rebuild),
         ]
         if needs_advantage:
             checks += [

@@ -30,6 +30,8 @@ def export_command(
     out: Path = typer.Option(..., "--out",
                              help="Output file (parquet, verl, trl) or directory of {k}.pt files (slime)."),
     where: str = typer.Option("", "--where", help="SQL filter on the samples table, e.g. \"reward > 0\"."),
+    force: bool = typer.Option(False, "--force",
+                               help="Overwrite an existing --out (never the database itself)."),
 ) -> None:
     """Write the samples with trainable tokens (and --where) for a distributed trainer; docs/export.md maps
     every column."""
@@ -48,7 +50,7 @@ def export_command(
         bar.update(task, completed=done, total=total)
 
     try:
-        n = export(db, fmt.value, out, where, progress=progress)
+        n = export(db, fmt.value, out, where, progress=progress, force=force)
     except ExportError as e:
         fail(str(e))
     finally:

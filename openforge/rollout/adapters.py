@@ -10,6 +10,10 @@ are installed: $OPENFORGE_TOOLS_DIR, else `.tools` of this checkout), `{python}`
 episode process, so `{tools}` and `{python}` are those of the machine (or pod) that runs it. Other braces
 (JSON in a config file) are left as they are.
 
+An `env` variable named like a credential (`SECRET_NAME`: `*_API_KEY`, `*_TOKEN`, `OPENFORGE_UPSTREAM_KEY`) may
+only be `{api_key}`, the agent's own proxy key: the agent reads its whole environment, so a literal secret in
+a toolchain file would be the agent's too.
+
 These files are also how `toolchains/run.py` runs the CLIs outside a rollout (tests, trace capture): both
 render them with `render_adapter`.
 """
@@ -27,6 +31,8 @@ from typing import Any
 from openforge.rollout.spec import Adapter
 from openforge.rollout.tasks import ID, relative_path
 
+# Variable names that hold credentials: such a value belongs in a Secret (or, for an agent, is its own proxy key).
+SECRET_NAME = re.compile(r"(?i)(.*_)?(API_KEY|TOKEN)|OPENFORGE_UPSTREAM_KEY")
 PLACEHOLDERS = ("prompt", "workdir", "episode", "base_url", "api_key", "home", "tools", "python", "path", "model")
 MODEL = "local-model"  # any engine of ours takes it; the proxy's route options map it to a served model
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
@@ -92,9 +98,12 @@ def parse_adapter(name: str, data: dict[str, Any], source: str) -> Adapter:
                 raise AdapterError(f"{source}: key '{key}.{k}': must be a string")
             _check_placeholders(f"{source}: key '{key}.{k}'", v)
         tables[key] = dict(table)
-    for var in tables["env"]:
+    for var, value in tables["env"].items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
             raise AdapterError(f"{source}: key 'env.{var}': not an environment variable name")
+        if SECRET_NAME.fullmatch(var) and value != "{api_key}":
+            raise AdapterError(f"{source}: key 'env.{var}': looks like a secret, and the agent reads its whole "
+                               "env: its value may only be {api_key} (the agent's proxy key)")
     for path in tables["config_files"]:
         if why := relative_path(path):
             raise AdapterError(f"{source}: key 'config_files.{path}': {why.replace('workspace', 'home')}")

@@ -3,8 +3,10 @@
 each pod's log and result, and deletes what it created. docs/rollouts-k8s.md describes the objects.
 
 Per episode a ConfigMap (the pod's copy of the episode spec, task files included, plus non-secret env) and
-a Job running `python -m openforge.rollout.episode /spec/spec.json`; per run one NetworkPolicy letting the
-pods reach only the proxy (and DNS). Tokens only ever appear as `secretKeyRef`s to Secrets made by the user.
+a Job running `python -m openforge.rollout.episode /spec/spec.json` as root, which starts the agent as an
+unprivileged uid (sandbox "uid"), so the spec, mounted root-only, stays out of the agent's reach; per run one
+NetworkPolicy letting the pods reach only the proxy (and DNS). Tokens only ever appear as `secretKeyRef`s to
+Secrets made by the user.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from openforge.rollout.adapters import SECRET_NAME
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 
 # Where the pod finds things: the ConfigMap is mounted at SPEC_DIR, the episode's scratch (an emptyDir) at
@@ -37,6 +40,17 @@ CONTAINER = "episode"
 COMMAND = ["python", "-m", "openforge.rollout.episode", f"{SPEC_DIR}/{SPEC_KEY}"]
 LABEL_PREFIX = "openforge/"
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server refuses a larger ConfigMap
+INT32_MAX = 2**31 - 1  # ttlSecondsAfterFinished, ports, modes are int32 in the API
+INT64_MAX = 2**63 - 1  # activeDeadlineSeconds; a quantity's value (cpu: in millicores)
+SPEC_MODE = 0o400  # the spec file: root's only (the agent runs as another uid)
+# What the episode process (root) needs to run the agent as another uid and clean up after it: change
+# ownership of the workspace (CHOWN), switch uid, gid and groups (SETUID, SETGID), signal the agent's
+# processes (KILL), read and remove what the agent wrote whatever its modes (DAC_OVERRIDE). The agent, once
+# its uid is not 0, holds none of them (and no-new-privileges keeps it so).
+CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "KILL", "SETGID", "SETUID"]
+# An emptyDir is mode 0777 without the sticky bit: the init container makes /episode root's (the agent owns
+# only the workdir and home the entrypoint gives it) and /tmp sticky (no one removes another's files).
+VOLUME_MODES = ["sh", "-c", f"chmod 0755 {EPISODE_DIR} && chmod 1777 /tmp"]
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -76,7 +90,6 @@ class K8sOptions:
     memory_limit: str = "4Gi"
     ttl_seconds_after_finished: int = 3600
     deadline_margin_s: int = 300  # beyond 3 x the task's timeout (setup, agent, verifier): image pull, post
-    run_as_user: int = 1000
     allow_dns: bool = True
 
 
@@ -129,14 +142,19 @@ def label_value(text: str) -> str:
     return f"{clean}-{_digest(text)}" if clean else _digest(text)
 
 
-def _quantity(name: str, text: str) -> Decimal:
+def _quantity(name: str, text: str, unit: Decimal | int = 1) -> Decimal:
+    """The quantity's value; refused past the int64 of `unit`s the API server stores (cpu: millicores)."""
     match = _QUANTITY.fullmatch(text)
     if not match:
         raise K8sOptionsError(f"{name} {text!r} is not a Kubernetes quantity (e.g. 500m, 2, 512Mi, 4Gi)")
     try:
-        return Decimal(match.group(1)) * _SUFFIX[match.group(2) or ""]
+        value = Decimal(match.group(1)) * _SUFFIX[match.group(2) or ""]
     except InvalidOperation:
         raise K8sOptionsError(f"{name} {text!r} is not a Kubernetes quantity") from None
+    if value / unit > INT64_MAX:
+        raise K8sOptionsError(f"{name} {text} is past what the API server stores ({INT64_MAX} "
+                              f"{'millicores' if unit != 1 else 'bytes'})")
+    return value
 
 
 def _check_labels(what: str, labels: dict[str, str]) -> None:
@@ -186,20 +204,21 @@ def check_options(options: K8sOptions) -> None:
     for name in options.env:
         if not _ENV_NAME.fullmatch(name):
             raise K8sOptionsError(f"env name {name!r} is not a variable name")
-        if name in (CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV):
-            raise K8sOptionsError(f"env {name} is set from its Secret, never as a plain value")
-    for resource in ("cpu", "memory"):
-        request = _quantity(f"{resource} request", getattr(options, f"{resource}_request"))
-        limit = _quantity(f"{resource} limit", getattr(options, f"{resource}_limit"))
+        if SECRET_NAME.fullmatch(name):
+            raise K8sOptionsError(f"env {name} looks like a secret: a plain env value is readable in the ConfigMap "
+                                  "by anyone who can read the namespace; it belongs in a Secret")
+    for resource, unit in (("cpu", Decimal("0.001")), ("memory", 1)):
+        request = _quantity(f"{resource} request", getattr(options, f"{resource}_request"), unit)
+        limit = _quantity(f"{resource} limit", getattr(options, f"{resource}_limit"), unit)
         if request > limit:
             raise K8sOptionsError(f"{resource} request {getattr(options, f'{resource}_request')} is above its "
                                   f"limit {getattr(options, f'{resource}_limit')}")
-    for what, value in (("ttlSecondsAfterFinished", options.ttl_seconds_after_finished),
-                        ("deadline margin", options.deadline_margin_s), ("run-as user", options.run_as_user)):
+    for what, value, most in (("ttlSecondsAfterFinished", options.ttl_seconds_after_finished, INT32_MAX),
+                              ("deadline margin", options.deadline_margin_s, INT64_MAX)):
         if value < 0:
             raise K8sOptionsError(f"{what} {value} is negative")
-    if options.run_as_user == 0:
-        raise K8sOptionsError("run-as user 0 is root; the episode container runs as a non-root user")
+        if value > most:
+            raise K8sOptionsError(f"{what} {value} is past {most}, the largest the API server takes")
 
 
 def check_specs(specs: Sequence[EpisodeSpec]) -> None:
@@ -230,8 +249,9 @@ def episode_labels(spec: EpisodeSpec, options: K8sOptions) -> dict[str, str]:
 
 
 def pod_spec(spec: EpisodeSpec) -> EpisodeSpec:
-    """The spec as the pod reads it: its workspace, home and output in the pod's scratch volume."""
-    return replace(spec, workdir=POD_WORKDIR, home=POD_HOME, out_dir=POD_OUT)
+    """The spec as the pod reads it: its workspace, home and output in the pod's scratch volume, and the
+    agent run as an unprivileged uid by the root episode process (one episode per pod)."""
+    return replace(spec, workdir=POD_WORKDIR, home=POD_HOME, out_dir=POD_OUT, sandbox="uid")
 
 
 def deadline_s(spec: EpisodeSpec, options: K8sOptions) -> int:
@@ -254,6 +274,7 @@ def configmap(spec: EpisodeSpec, options: K8sOptions) -> dict[str, Any]:
 
 
 def job(spec: EpisodeSpec, options: K8sOptions) -> dict[str, Any]:
+    """The episode's Job: the entrypoint as root with CAPABILITIES only, the spec a root-only file."""
     name = object_name("of", spec.episode)
     labels = episode_labels(spec, options)
     env: list[dict[str, Any]] = [{"name": key, "valueFrom": {"configMapKeyRef": {"name": name, "key": key}}}
@@ -262,16 +283,21 @@ def job(spec: EpisodeSpec, options: K8sOptions) -> dict[str, Any]:
                 "name": options.client_token_secret, "key": options.client_token_key}}},
             {"name": REWARD_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                 "name": options.reward_token_secret, "key": options.reward_token_key}}}]
+    resources = {"requests": {"cpu": options.cpu_request, "memory": options.memory_request},
+                 "limits": {"cpu": options.cpu_limit, "memory": options.memory_limit}}
+    scratch = [{"name": "episode", "mountPath": EPISODE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
     container = {
         "name": CONTAINER, "image": options.image, "imagePullPolicy": "IfNotPresent", "command": COMMAND,
-        "workingDir": EPISODE_DIR, "env": env,
-        "resources": {"requests": {"cpu": options.cpu_request, "memory": options.memory_request},
-                      "limits": {"cpu": options.cpu_limit, "memory": options.memory_limit}},
-        "volumeMounts": [{"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
-                         {"name": "episode", "mountPath": EPISODE_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": {"runAsNonRoot": True, "runAsUser": options.run_as_user,
-                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "workingDir": EPISODE_DIR, "env": env, "resources": resources,
+        "volumeMounts": [{"name": "spec", "mountPath": SPEC_DIR, "readOnly": True}, *scratch],
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"], "add": CAPABILITIES}},
+    }
+    volume_modes = {
+        "name": "volumes", "image": options.image, "imagePullPolicy": "IfNotPresent", "command": VOLUME_MODES,
+        "resources": resources, "volumeMounts": scratch,
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False, "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
     }
     return {
         "apiVersion": "batch/v1", "kind": "Job",
@@ -287,10 +313,11 @@ def job(spec: EpisodeSpec, options: K8sOptions) -> dict[str, Any]:
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,  # the agent gets no Kubernetes API credential
                     "enableServiceLinks": False,  # nor other Services' addresses in its env
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": options.run_as_user,
-                                        "fsGroup": options.run_as_user, "seccompProfile": {"type": "RuntimeDefault"}},
+                    # no fsGroup: it would make the spec group-readable whatever its mode
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "initContainers": [volume_modes],
                     "containers": [container],
-                    "volumes": [{"name": "spec", "configMap": {"name": name,
+                    "volumes": [{"name": "spec", "configMap": {"name": name, "defaultMode": SPEC_MODE,
                                                                "items": [{"key": SPEC_KEY, "path": SPEC_KEY}]}},
                                 {"name": "episode", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
                 },
@@ -330,6 +357,10 @@ class Manifests:
 def build(specs: Sequence[EpisodeSpec], options: K8sOptions) -> Manifests:
     check_options(options)
     check_specs(specs)
+    for s in specs:
+        if deadline_s(s, options) > INT64_MAX:
+            raise K8sOptionsError(f"task {s.task.id!r}: activeDeadlineSeconds {deadline_s(s, options)} is past "
+                                  f"{INT64_MAX}, the largest the API server takes (timeout_s {s.task.timeout_s:g})")
     return Manifests(network_policy(specs[0].run_id, options),
                      [(s, configmap(s, options), job(s, options)) for s in specs])
 
