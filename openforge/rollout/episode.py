@@ -211,11 +211,12 @@ class Confinement:
         self.spec, self.mode = spec, spec.sandbox
         if why := sandbox.unavailable(self.mode):
             raise EpisodeError("crashed", why)
-        self.run_dir = Path(spec.out_dir).parents[1]  # <out>/episodes/<episode>
 
     def prepare(self, *dirs: Path) -> None:
-        """Before a step: in `uid` mode the step's directories become the unprivileged user's."""
+        """Before a step: in `uid` mode the step's directories become the unprivileged user's, and the
+        episode's directory (root's, its files 0600) one it may pass through to them."""
         if self.mode == "uid":
+            Path(self.spec.out_dir).chmod(0o711)
             for d in dirs:
                 sandbox.give_to(d, sandbox.NOBODY)
 
@@ -232,7 +233,8 @@ class Confinement:
             finally:
                 sandbox.kill_user(sandbox.NOBODY)
             return
-        hidden = [self.run_dir, Path(self.spec.out_dir), Path.home()]
+        out = Path(self.spec.out_dir)
+        hidden = [out.parent.parent, out, Path.home()]  # the run directory (<run>/episodes/<episode>), the episode's
         readonly = sandbox.readonly_paths() + [p for p in sandbox.named_files(argv) if not self._writable(p, writable)]
         with contextlib.ExitStack() as stack:
             relay = stack.enter_context(sandbox.ProxyRelay(self.spec.proxy_url)) if network else None
