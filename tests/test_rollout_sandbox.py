@@ -286,6 +286,16 @@ def test_without_bubblewrap_a_rollout_refuses_to_start_and_names_the_way_out(tmp
         prepare(tasks, ["tool-agent"], proxy="http://127.0.0.1:1", out=tmp_path / "out", sandbox="chroot")
 
 
+def test_rl_config_takes_the_three_modes_only() -> None:
+    from openforge.rl.config import load_rl_config
+    from openforge.trainer.config import ConfigError
+
+    assert load_rl_config().rollout.sandbox == "bwrap"
+    assert load_rl_config(sets={"rollout.sandbox": "none"}).rollout.sandbox == "none"
+    with pytest.raises(ConfigError, match="rollout.sandbox must be one of bwrap, uid, none"):
+        load_rl_config(sets={"rollout.sandbox": "chroot"})
+
+
 def test_no_sandbox_prints_what_is_then_not_protected(tmp_path: Path) -> None:
     server, _ = fake_proxy()
     (tmp_path / "t.jsonl").write_text(json.dumps({"id": "t", "prompt": "x", "verify": "true"}) + "\n")
