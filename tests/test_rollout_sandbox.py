@@ -77,6 +77,7 @@ open("openforge/examples/verifier.py", "w").write("print(1.0)\n")
 open("pytest.py", "w").write("import sys\nsys.exit(0)\n")
 os.remove("data.txt")
 os.symlink(target["victim"], "data.txt")
+os.mkfifo("stuck")  # a pipe in the workspace must not hang the verifier's copy
 json.dump(found, open("findings.json", "w"))
 '''
 

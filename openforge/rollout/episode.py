@@ -260,6 +260,13 @@ def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path) -> None:
             raise EpisodeError("crashed", f"setup {why} (see setup.stderr)")
 
 
+def _special_files(directory: str, names: list[str]) -> set[str]:
+    """What a copy of the workspace leaves out: pipes, sockets, devices (reading a pipe the agent left would
+    block)."""
+    return {n for n in names if not (os.path.islink(p := os.path.join(directory, n)) or os.path.isfile(p)
+                                     or os.path.isdir(p))}
+
+
 def _verify(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path) -> tuple[float, float]:
     """(reward, seconds) from the task's verifier, run in `work.verify/`: a fresh copy of the workspace with
     the task's own files written over it, and a fresh HOME; EpisodeError(verify_failed) when it gave none."""
@@ -267,7 +274,7 @@ def _verify(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out:
     copy, home = work.with_name(work.name + ".verify"), out / "verify-home"
     for d in (copy, home):
         shutil.rmtree(d, ignore_errors=True)
-    shutil.copytree(work, copy, symlinks=True)
+    shutil.copytree(work, copy, symlinks=True, ignore=_special_files)
     for rel, content in spec.task.files.items():
         _write_under(copy, rel, content)
     home.mkdir()
