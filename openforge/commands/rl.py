@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,9 @@ def rl(
     lr: float | None = typer.Option(None, "--lr", help="train.lr (constant: train.min_lr_ratio = 1; default 1e-5)."),
     window: int | None = typer.Option(None, "--window", help="loop.window: train on the last W iterations' "
                                                              "samples (default 1: this iteration's)."),
+    no_sandbox: bool = typer.Option(False, "--no-sandbox", help="rollout.sandbox = none: agents run as plain "
+                                                                "processes of your user (prints what is then not "
+                                                                "protected; docs/rollouts.md, Sandbox)."),
     sets: list[str] = typer.Option([], "--set", help="Any field as section.key=value, e.g. --set proxy.max_tokens=256 "
                                                      "--set train.kl_coef=0.01; repeat for several."),
 ) -> None:
@@ -86,13 +90,14 @@ def rl(
     from rich.console import Console
 
     from openforge.rl.loop import RLError, RLRun, load, results_table
+    from openforge.rollout.sandbox import NOT_PROTECTED, unavailable
     from openforge.trainer.config import ConfigError, parse_sets
 
     named: dict[str, Any] = {
         "loop.iterations": iterations, "engine.backend": engine.value if engine else None,
         "rollout.tasks": str(tasks) if tasks else None, "rollout.toolchains": toolchain or None,
         "rollout.attempts": attempts, "rollout.concurrency": concurrency, "train.steps": steps, "train.lr": lr,
-        "loop.window": window,
+        "loop.window": window, "rollout.sandbox": "none" if no_sandbox else None,
     }
     console = Console()
     try:
@@ -100,9 +105,13 @@ def rl(
                    out, resume)
         if tasks is not None and not tasks.is_file():
             raise ConfigError(f"--tasks: no such file {tasks}")
+        if why := unavailable(cfg.rollout.sandbox):  # before the engine starts, not at the first rollout
+            raise ConfigError(f"rollout.sandbox = {cfg.rollout.sandbox}: {why}")
         run = RLRun(cfg, out, console, resume=resume)
     except (ConfigError, RLError) as e:
         fail(str(e))
+    if cfg.rollout.sandbox == "none":
+        print(NOT_PROTECTED.replace("--no-sandbox", "rollout.sandbox = none"), file=sys.stderr)
     lines = run_loop(run, console)
     console.print(results_table(lines))
     console.print(f"rl.jsonl: {out / 'rl.jsonl'}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "

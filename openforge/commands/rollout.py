@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -62,7 +64,8 @@ def rollout(
         OnFailure.zero, help="A failed, crashed or timed-out episode: 'zero' posts reward 0.0, 'drop' posts none "
                              "(reconstruct's --missing-reward decides then)."),
     fresh_verify_copy: bool = typer.Option(False, "--fresh-verify-copy",
-                                           help="Verify in a copy of the workspace taken after the agent exits."),
+                                           help="Kept for old scripts: the verifier always runs in a fresh copy of "
+                                                "the workspace now."),
     pass_threshold: float = typer.Option(1.0, help="An attempt passes when its reward is >= this."),
     backend: Backend = typer.Option(
         Backend.local, help="Where episodes run: 'local' processes, or 'k8s' Jobs (then --proxy is the proxy's URL "
@@ -70,23 +73,29 @@ def rollout(
     k8s_config: Path | None = typer.Option(
         None, "--k8s-config", help="--backend k8s: TOML file of cluster settings (image, namespace, token Secrets, "
                                    "proxy labels or CIDR and port, resources; docs/rollouts-k8s.md)."),
+    no_sandbox: bool = typer.Option(
+        False, "--no-sandbox", help="Run agents as plain processes of your user instead of in a bubblewrap sandbox "
+                                    "(prints what is then not protected; docs/rollouts.md, Sandbox)."),
     dry_run: Path | None = typer.Option(
         None, "--dry-run", help="--backend k8s: write every manifest (ConfigMaps, Jobs, NetworkPolicy) to this "
                                 "directory and run nothing."),
 ) -> None:
     """Run every task with every toolchain `--attempts` times, verify each episode and post its reward through
-    the proxy. Tokens: $OPENFORGE_CLIENT_TOKEN (the agents' key) and $OPENFORGE_REWARD_TOKEN (the verifier's);
-    on Kubernetes they come from the Secrets named in --k8s-config instead."""
+    the proxy. Tokens: $OPENFORGE_CLIENT_TOKEN (the agents' key) and $OPENFORGE_REWARD_TOKEN (from which each
+    episode's reward key is derived); on Kubernetes they come from the Secrets named in --k8s-config instead."""
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from openforge.rollout import k8s
     from openforge.rollout.episode import hide_environment
     from openforge.rollout.runner import RolloutError, execute, prepare
-    from openforge.rollout.spec import EpisodeResult
+    from openforge.rollout.sandbox import NOT_PROTECTED
+    from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult
 
     options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency, on_failure=on_failure.value,
-                                   pass_threshold=pass_threshold, backend=backend.value)
+                                   pass_threshold=pass_threshold, backend=backend.value,
+                                   sandbox="none" if no_sandbox else "bwrap")
     if backend is not Backend.k8s and (k8s_config or dry_run):
         fail("--k8s-config and --dry-run go with --backend k8s")
     if backend is Backend.k8s and k8s_config is None:
@@ -102,7 +111,11 @@ def rollout(
             return
     except (RolloutError, k8s.K8sOptionsError) as e:
         fail(str(e))
-    hide_environment()  # this process holds the reward token too
+    hide_environment()  # this process holds the reward token
+    # no child inherits them: each episode process gets the client token and its own key on a pipe
+    client_token, reward_token = os.environ.pop(CLIENT_TOKEN_ENV, None), os.environ.pop(REWARD_TOKEN_ENV, None)
+    if no_sandbox:
+        print(NOT_PROTECTED, file=sys.stderr)
     console = Console(stderr=True)
     counts: dict[str, int] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -114,7 +127,8 @@ def rollout(
             state = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             progress.update(bar, advance=1, description=f"rollout {run_id}: {state}")
 
-        result = execute(run_id, specs, out=out, on_done=done, k8s_options=k8s_options, **options)
+        result = execute(run_id, specs, out=out, on_done=done, k8s_options=k8s_options, client_token=client_token,
+                         reward_token=reward_token, **{k: v for k, v in options.items() if k != "sandbox"})
     summary = result.summary
     out_console = Console()
     out_console.print(summary_table("per task", summary["tasks"], attempts))

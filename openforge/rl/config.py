@@ -47,7 +47,8 @@ class RolloutSettings:
     concurrency: int = 2          # episodes at once
     on_failure: str = "zero"      # zero | drop (docs/rollouts.md)
     pass_threshold: float = 1.0
-    fresh_verify_copy: bool = False
+    fresh_verify_copy: bool = False  # kept for old rl.toml files: the verifier always runs in a fresh copy now
+    sandbox: str = "bwrap"        # bwrap | uid | none: how agents are confined (docs/rollouts.md, Sandbox)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class RLConfig:
     def validate(self) -> RLConfig:
         from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
         from openforge.rollout.runner import ON_FAILURE
+        from openforge.rollout.sandbox import MODES
 
         checks = [
             (self.engine.backend in ENGINES, f"engine.backend must be {' or '.join(ENGINES)}"),
@@ -95,6 +97,7 @@ class RLConfig:
             (self.rollout.max_tasks >= 0, "rollout.max_tasks must be >= 0 (0 = all)"),
             (bool(self.rollout.toolchains), "rollout.toolchains needs at least one toolchain"),
             (self.rollout.on_failure in ON_FAILURE, f"rollout.on_failure must be {' or '.join(ON_FAILURE)}"),
+            (self.rollout.sandbox in MODES, f"rollout.sandbox must be one of {', '.join(MODES)}"),
             (self.reconstruct.advantage in ADVANTAGES, f"reconstruct.advantage must be one of {', '.join(ADVANTAGES)}"),
             (self.reconstruct.group_by in GROUPINGS, f"reconstruct.group_by must be one of {', '.join(GROUPINGS)}"),
             (bool(self.reconstruct.train_roles), "reconstruct.train_roles needs at least one role"),

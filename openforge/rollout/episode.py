@@ -1,17 +1,24 @@
 """Run ONE episode from its spec: workspace, agent, verifier, reward post, result.json.
 
-    python -m openforge.rollout.episode SPEC.json
+    python -m openforge.rollout.episode SPEC.json [--secrets-stdin]
 
-This is the entrypoint a local rollout starts per episode and a Kubernetes Job runs; both give it the
-client token in $OPENFORGE_CLIENT_TOKEN and the reward token in $OPENFORGE_REWARD_TOKEN. The agent gets
-an environment built from scratch (a few harmless variables, its HOME, the adapter's `env`): no reward
-token, no engine key, nothing else of ours. The verifier runs after the agent's whole process group is
-gone, with no token at all; this process posts the reward. `result.json` is written whatever happens.
-Exit code 0 once result.json is written (the outcome is in it), 2 for a spec that cannot be read.
+This is the entrypoint a local rollout starts per episode and a Kubernetes Job runs. Secrets: with
+`--secrets-stdin` (the local runner) the client token and this episode's reward key (`episode_reward_key`,
+never the reward token) are two lines on stdin, and the key is read from the pipe only once the agent is
+gone; without it (a Job), the client token comes from $OPENFORGE_CLIENT_TOKEN and the key is derived from
+$OPENFORGE_REWARD_TOKEN. This process is non-dumpable from its first line on.
+
+The agent gets an environment built from scratch (a few harmless variables, its HOME, the adapter's `env`)
+and runs in the spec's sandbox (`openforge/rollout/sandbox.py`). The verifier runs after the agent's
+sandbox is gone, in a fresh copy of the workspace with the task's files restored over it, with no token, no
+network (bwrap) and no current directory on Python's path; this process posts the reward. `result.json` is
+written whatever happens. Exit code 0 once result.json is written (the outcome is in it), 2 for a spec
+that cannot be read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,11 +29,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from openforge.processes import stop_group
+from openforge.protocols.reward_keys import episode_reward_key
+from openforge.rollout import sandbox
 from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 from openforge.rollout.tasks import relative_path
@@ -47,14 +57,42 @@ class EpisodeError(Exception):
 
 
 def hide_environment() -> None:
-    """Make this process non-dumpable (Linux): its /proc/<pid>/environ, which holds the reward token, is then
-    unreadable to other processes of the same user, agents included (not to root). exec resets it, so the
-    agent and verifier are ordinary processes."""
+    """Make this process non-dumpable (Linux): its /proc/<pid>/environ and memory, which hold secrets, are
+    then unreadable to other processes of the same user, agents included (not to root). exec resets it, so
+    the agent and verifier are ordinary processes."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_DUMPABLE = 4
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def _read_line(fd: int) -> str:
+    """One line from `fd`, byte by byte: nothing past it leaves the pipe."""
+    data = b""
+    while (byte := os.read(fd, 1)) and byte != b"\n":
+        data += byte
+    return data.decode()
+
+
+class Secrets:
+    """The agent's client token and this episode's reward key (module docstring: where each comes from)."""
+
+    def __init__(self, episode: str, stdin_fd: int | None, env: Mapping[str, str]) -> None:
+        self._fd = stdin_fd
+        if stdin_fd is not None:
+            self.client_token = _read_line(stdin_fd) or None
+            self._key: str | None = None
+        else:
+            self.client_token = env.get(CLIENT_TOKEN_ENV) or None
+            token = env.get(REWARD_TOKEN_ENV)
+            self._key = episode_reward_key(token, episode) if token else None
+
+    def reward_key(self) -> str | None:
+        """The key the reward is posted with; from stdin, read at the first call (after the agent exited)."""
+        if self._fd is not None:
+            self._key, self._fd = _read_line(self._fd) or None, None
+        return self._key
 
 
 def base_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
@@ -65,29 +103,57 @@ def base_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def verifier_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
+    """`base_env` where nothing the agent wrote in the workspace can stand in for a module or program: no
+    current directory on Python's path (PYTHONSAFEPATH), only absolute PATH and PYTHONPATH entries."""
+    env = base_env(home, parent)
+    for var in ("PATH", "PYTHONPATH"):
+        if var in env:
+            env[var] = os.pathsep.join(p for p in env[var].split(os.pathsep) if os.path.isabs(p))
+    env["PYTHONSAFEPATH"] = "1"
+    return env
+
+
 def placeholders(spec: EpisodeSpec, api_key: str, parent: Mapping[str, str]) -> dict[str, str]:
-    return {"prompt": spec.task.prompt, "workdir": spec.workdir, "episode": spec.episode, "base_url": spec.base_url,
+    base_url = spec.base_url
+    if spec.sandbox == "bwrap":
+        base_url = f"{sandbox.sandbox_url(spec.proxy_url)}/e/{spec.episode}"
+    return {"prompt": spec.task.prompt, "workdir": spec.workdir, "episode": spec.episode, "base_url": base_url,
             "api_key": api_key, "home": spec.home, "tools": tools_dir(), "python": sys.executable,
             "path": parent.get("PATH", os.defpath), "model": MODEL}
 
 
 def _write_under(root: Path, rel: str, content: str) -> None:
+    """Write a task file at `root/rel`, replacing whatever is there: a link or a directory the agent put on
+    the way is removed, never followed."""
     if why := relative_path(rel):
         raise EpisodeError("crashed", f"file {rel!r} {why}")
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(content, encoding="utf-8")
+    path = root
+    for part in Path(rel).parts[:-1]:
+        path = path / part
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            path.unlink()
+        path.mkdir(exist_ok=True)
+    path = path / Path(rel).name
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(content)
 
 
-def run_group(argv: list[str], *, cwd: Path, env: dict[str, str], out: Path, name: str,
-              timeout: float) -> tuple[int | None, float]:
+def run_group(argv: list[str], *, cwd: Path, env: dict[str, str], out: Path, name: str, timeout: float,
+              popen: Mapping[str, Any] | None = None) -> tuple[int | None, float]:
     """Run `argv` in its own process group, stdout/stderr to `out/name.stdout|.stderr`; (exit code or None
-    on timeout, seconds). What the command left running in its group is killed when it exits."""
+    on timeout, seconds). What the command left running in its group is killed when it exits. `popen`:
+    more Popen arguments (the user to run as)."""
     started = time.monotonic()
     with open(out / f"{name}.stdout", "wb") as stdout, open(out / f"{name}.stderr", "wb") as stderr:
         try:
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                                    start_new_session=True)
+                                    start_new_session=True, **(popen or {}))
         except OSError as e:
             raise EpisodeError("crashed", f"cannot start {name} ({argv[0]}): {e.strerror or e}") from None
         try:
@@ -115,11 +181,11 @@ def parse_reward(stdout: str, exit_code: int) -> float:
     return reward
 
 
-def post_reward(spec: EpisodeSpec, reward: float, status: str, token: str | None) -> str | None:
-    """POST the reward to the proxy with the reward token; None once accepted, else why not."""
+def post_reward(spec: EpisodeSpec, reward: float, status: str, key: str | None) -> str | None:
+    """POST the reward to the proxy with this episode's reward key; None once accepted, else why not."""
     body = json.dumps({"reward": reward, "task_id": spec.task.id, "metadata": {
         "toolchain": spec.adapter.name, "attempt": spec.attempt, "run_id": spec.run_id, "status": status}}).encode()
-    headers = {"content-type": "application/json", **({"authorization": f"Bearer {token}"} if token else {})}
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
     url = f"{spec.proxy_url.rstrip('/')}/openforge/v1/episodes/{spec.episode}/reward"
     # never through an HTTP(S)_PROXY of the environment: the proxy URL is where rewards go
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -138,6 +204,48 @@ def post_reward(spec: EpisodeSpec, reward: float, status: str, token: str | None
     return why
 
 
+class Confinement:
+    """How this episode's agent and verifier are started, per the spec's sandbox mode (sandbox.py)."""
+
+    def __init__(self, spec: EpisodeSpec) -> None:
+        self.spec, self.mode = spec, spec.sandbox
+        if why := sandbox.unavailable(self.mode):
+            raise EpisodeError("crashed", why)
+
+    def prepare(self, *dirs: Path) -> None:
+        """Before a step: in `uid` mode the step's directories become the unprivileged user's, and the
+        episode's directory (root's, its files 0600) one it may pass through to them."""
+        if self.mode == "uid":
+            Path(self.spec.out_dir).chmod(0o711)
+            for d in dirs:
+                sandbox.give_to(d, sandbox.NOBODY)
+
+    @contextlib.contextmanager
+    def step(self, argv: list[str], *, cwd: Path, writable: list[Path],
+             network: bool) -> Iterator[tuple[list[str], dict[str, Any]]]:
+        """(argv, extra Popen arguments) of one sandboxed step; what it left running is gone afterwards."""
+        if self.mode == "none":
+            yield argv, {}
+            return
+        if self.mode == "uid":
+            try:
+                yield argv, sandbox.as_user(sandbox.NOBODY)
+            finally:
+                sandbox.kill_user(sandbox.NOBODY)
+            return
+        out = Path(self.spec.out_dir)
+        hidden = [out.parent.parent, out, Path.home()]  # the run directory (<run>/episodes/<episode>), the episode's
+        readonly = sandbox.readonly_paths() + [p for p in sandbox.named_files(argv) if not self._writable(p, writable)]
+        with contextlib.ExitStack() as stack:
+            relay = stack.enter_context(sandbox.ProxyRelay(self.spec.proxy_url)) if network else None
+            yield sandbox.bwrap_command(argv, cwd=cwd, writable=writable, readonly=readonly, hidden=hidden,
+                                        relay=relay), {}
+
+    @staticmethod
+    def _writable(path: Path, writable: list[Path]) -> bool:
+        return any(path.resolve().is_relative_to(w.resolve()) for w in writable)
+
+
 def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path) -> None:
     work, home = Path(spec.workdir), Path(spec.home)
     work.mkdir(parents=True, exist_ok=True)
@@ -152,18 +260,28 @@ def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path) -> None:
             raise EpisodeError("crashed", f"setup {why} (see setup.stderr)")
 
 
-def _verify(spec: EpisodeSpec, env: dict[str, str], out: Path) -> tuple[float, float]:
-    """(reward, seconds) from the task's verifier; EpisodeError(verify_failed) when it gave none."""
+def _special_files(directory: str, names: list[str]) -> set[str]:
+    """What a copy of the workspace leaves out: pipes, sockets, devices (reading a pipe the agent left would
+    block)."""
+    return {n for n in names if not (os.path.islink(p := os.path.join(directory, n)) or os.path.isfile(p)
+                                     or os.path.isdir(p))}
+
+
+def _verify(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path) -> tuple[float, float]:
+    """(reward, seconds) from the task's verifier, run in `work.verify/`: a fresh copy of the workspace with
+    the task's own files written over it, and a fresh HOME; EpisodeError(verify_failed) when it gave none."""
     work = Path(spec.workdir)
-    if spec.fresh_verify_copy:
-        copy = work.with_name(work.name + ".verify")
-        shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(work, copy, symlinks=True)
-        work = copy
-    home = out / "verify-home"
-    home.mkdir(exist_ok=True)
-    code, seconds = run_group(["bash", "-c", spec.task.verify], cwd=work, env={**env, "HOME": str(home)}, out=out,
-                              name="verify", timeout=spec.task.timeout_s)
+    copy, home = work.with_name(work.name + ".verify"), out / "verify-home"
+    for d in (copy, home):
+        shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(work, copy, symlinks=True, ignore=_special_files)
+    for rel, content in spec.task.files.items():
+        _write_under(copy, rel, content)
+    home.mkdir()
+    box.prepare(copy, home)
+    with box.step(["bash", "-c", spec.task.verify], cwd=copy, writable=[copy, home], network=False) as (argv, popen):
+        code, seconds = run_group(argv, cwd=copy, env=verifier_env(home, parent), out=out, name="verify",
+                                  timeout=spec.task.timeout_s, popen=popen)
     if code is None:
         raise EpisodeError("verify_failed", f"verifier timed out after {spec.task.timeout_s:g} s")
     try:
@@ -172,26 +290,30 @@ def _verify(spec: EpisodeSpec, env: dict[str, str], out: Path) -> tuple[float, f
         raise EpisodeError("verify_failed", f"verifier (exit {code}): {e}") from None
 
 
-def run_episode(spec: EpisodeSpec, parent_env: Mapping[str, str] | None = None) -> EpisodeResult:
+def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, str] | None = None) -> EpisodeResult:
     """Run the episode, post its reward (or 0.0 for a failure under on_failure=zero), write result.json."""
     parent = os.environ if parent_env is None else parent_env
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = EpisodeResult(episode=spec.episode, task_id=spec.task.id, toolchain=spec.adapter.name,
                            attempt=spec.attempt, status="ok", reward=None)
-    env = base_env(Path(spec.home), parent)
+    work, home = Path(spec.workdir), Path(spec.home)
+    env = base_env(home, parent)
     try:
+        box = Confinement(spec)
         _setup_workspace(spec, env, out)
-        values = placeholders(spec, parent.get(CLIENT_TOKEN_ENV) or DUMMY_KEY, parent)
-        argv, adapter_env = render_adapter(spec.adapter, values, Path(spec.home))
-        code, agent_s = run_group(argv, cwd=Path(spec.workdir), env={**env, **adapter_env}, out=out, name="agent",
-                                  timeout=spec.task.timeout_s)
+        values = placeholders(spec, secrets.client_token or DUMMY_KEY, parent)
+        argv, adapter_env = render_adapter(spec.adapter, values, home)
+        box.prepare(work, home)
+        with box.step(argv, cwd=work, writable=[work, home], network=True) as (argv, popen):
+            code, agent_s = run_group(argv, cwd=work, env={**env, **adapter_env}, out=out, name="agent",
+                                      timeout=spec.task.timeout_s, popen=popen)
         result = replace(result, exit_code=code, agent_s=round(agent_s, 3))
         if code is None:
             raise EpisodeError("timeout", f"agent killed after {spec.task.timeout_s:g} s")
         if code != 0:
             raise EpisodeError("agent_failed", f"agent exited {code} (see agent.stderr)")
-        reward, verify_s = _verify(spec, env, out)
+        reward, verify_s = _verify(spec, box, parent, out)
         result = replace(result, reward=reward, verify_s=round(verify_s, 3))
     except EpisodeError as e:
         result = replace(result, status=e.status, reason=e.reason)
@@ -203,7 +325,7 @@ def run_episode(spec: EpisodeSpec, parent_env: Mapping[str, str] | None = None) 
         result = replace(result, status="crashed", reason=f"{type(e).__name__}: {e}")
     if result.reward is not None or spec.on_failure == "zero":
         why = post_reward(spec, result.reward if result.reward is not None else 0.0, result.status,
-                          parent.get(REWARD_TOKEN_ENV))
+                          secrets.reward_key())
         result = replace(result, reward_posted=why is None,
                          reason="; ".join(r for r in (result.reason, why) if r))
     write_result(out, result)
@@ -221,9 +343,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hide_environment()
     args = sys.argv[1:] if argv is None else argv
+    from_stdin = "--secrets-stdin" in args
+    args = [a for a in args if a != "--secrets-stdin"]
     if len(args) != 1:
-        print("usage: python -m openforge.rollout.episode SPEC.json", file=sys.stderr)
+        print("usage: python -m openforge.rollout.episode SPEC.json [--secrets-stdin]", file=sys.stderr)
         return 2
     try:
         spec = EpisodeSpec.read(Path(args[0]))
@@ -231,8 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read the episode spec {args[0]}: {e}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _interrupt)
-    hide_environment()
-    result = run_episode(spec)
+    secrets = Secrets(spec.episode, sys.stdin.fileno() if from_stdin else None, os.environ)
+    for name in (CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV):  # no child inherits them
+        os.environ.pop(name, None)
+    if spec.sandbox == "uid":
+        os.umask(0o077)  # what this process writes is root's alone; the agent gets only its own directories
+    result = run_episode(spec, secrets)
     print(f"{result.episode}: {result.status} reward={result.reward} {result.reason}".rstrip())
     print(RESULT_MARKER + json.dumps(asdict(result)), flush=True)
     return 0

@@ -1,15 +1,21 @@
 """The rollout runner: tasks x toolchains x attempts -> episode specs -> a backend runs them -> summary.
 
-The seam between planning and running is the list of `EpisodeSpec`s: `plan` builds them, a backend is a
-function `(specs, concurrency, on_done) -> results` (here `run_local`: one `python -m
-openforge.rollout.episode SPEC.json` process per episode, `concurrency` at a time), and `summarize` reads
-only the `EpisodeResult`s. A Kubernetes backend runs the same entrypoint in a Job per spec.
+The seam between planning and running is the list of `EpisodeSpec`s: `plan` builds them, a backend runs
+them (here `run_local`: one `python -m openforge.rollout.episode SPEC.json --secrets-stdin` process per
+episode, `concurrency` at a time), and `summarize` reads only the `EpisodeResult`s. A Kubernetes backend
+runs the same entrypoint in a Job per spec.
+
+Secrets: the runner holds the client and reward tokens (arguments, else $OPENFORGE_CLIENT_TOKEN and
+$OPENFORGE_REWARD_TOKEN) and gives each episode process, on a pipe on its stdin, the client token and that
+episode's reward key (`episode_reward_key`), never the reward token; episode processes inherit neither
+variable.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import secrets
 import signal
 import subprocess
@@ -19,13 +25,15 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openforge.processes import signal_group, stop_group
+from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
-from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
+from openforge.rollout.sandbox import MODES, unavailable
+from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
 
 if TYPE_CHECKING:
@@ -46,7 +54,8 @@ def new_run_id() -> str:
 
 
 def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, proxy_url: str, out: Path,
-         run_id: str, fresh_verify_copy: bool = False, on_failure: str = "zero") -> list[EpisodeSpec]:
+         run_id: str, fresh_verify_copy: bool = False, on_failure: str = "zero",
+         sandbox: str = "bwrap") -> list[EpisodeSpec]:
     """One spec per (task, toolchain allowed by the task, attempt 1..k), each with its own directories under
     `out/episodes/<episode>/` (episode = run id, task, toolchain, attempt)."""
     specs: list[EpisodeSpec] = []
@@ -60,7 +69,7 @@ def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, p
                 specs.append(EpisodeSpec(
                     run_id=run_id, episode=episode, task=task, adapter=adapter, attempt=attempt, proxy_url=proxy_url,
                     out_dir=str(ep_dir), workdir=str(ep_dir / "work"), home=str(ep_dir / "home"),
-                    fresh_verify_copy=fresh_verify_copy, on_failure=on_failure))
+                    fresh_verify_copy=fresh_verify_copy, on_failure=on_failure, sandbox=sandbox))
     if len({s.episode for s in specs}) != len(specs):
         raise RolloutError("two episodes got the same id (task and toolchain names that run together): rename one")
     return specs
@@ -81,23 +90,54 @@ def read_result(spec: EpisodeSpec) -> EpisodeResult | None:
         return None
 
 
+def tokens(client_token: str | None, reward_token: str | None) -> tuple[str | None, str | None]:
+    """The tokens given, else those in the environment."""
+    return (client_token if client_token is not None else os.environ.get(CLIENT_TOKEN_ENV),
+            reward_token if reward_token is not None else os.environ.get(REWARD_TOKEN_ENV))
+
+
+def write_spec(spec: EpisodeSpec) -> Path:
+    """`<out_dir>/spec.json`; under the `uid` sandbox root's alone (0400) in a directory the agent may only
+    pass through (0711) to its workspace."""
+    out = Path(spec.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "spec.json"
+    path.unlink(missing_ok=True)
+    private = spec.sandbox == "uid"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400 if private else 0o644)
+    with open(fd, "w") as f:
+        f.write(spec.to_json())
+    if private:
+        out.chmod(0o711)
+    return path
+
+
 def run_local(specs: list[EpisodeSpec], concurrency: int,
-              on_done: Callable[[EpisodeResult], None] = lambda r: None) -> list[EpisodeResult]:
+              on_done: Callable[[EpisodeResult], None] = lambda r: None, *, client_token: str | None = None,
+              reward_token: str | None = None) -> list[EpisodeResult]:
     """Each spec in its own episode process (own process group), `concurrency` at a time; results in spec order.
     An episode process that dies without result.json gets a `crashed` result saying so (no reward posted)."""
     running: set[subprocess.Popen[bytes]] = set()
     lock = threading.Lock()
+    client, reward = tokens(client_token, reward_token)
+    env = {k: v for k, v in os.environ.items() if k not in (CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV)}
 
     def one(spec: EpisodeSpec) -> EpisodeResult:
         out = Path(spec.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "spec.json").write_text(spec.to_json())
+        spec_path = write_spec(spec)
+        key = episode_reward_key(reward, spec.episode) if reward else ""
         with open(out / "episode.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "openforge.rollout.episode", str(out / "spec.json")],
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-m", "openforge.rollout.episode", str(spec_path),
+                                     "--secrets-stdin"], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
         with lock:
             running.add(proc)
+        assert proc.stdin is not None
+        try:  # two lines, far below a pipe's buffer: the key waits there until the episode reads it
+            proc.stdin.write(f"{client or ''}\n{key}\n".encode())
+            proc.stdin.close()
+        except OSError:  # the episode process died at once: its result says so below
+            pass
         try:
             code = proc.wait(3 * spec.task.timeout_s + EPISODE_SLACK_S)
         except subprocess.TimeoutExpired:  # SIGTERM first: the episode then kills its agent's group
@@ -184,11 +224,26 @@ class Rollout:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+def check_sandbox(sandbox: str, backend: str) -> str:
+    """The sandbox mode episodes run under: `sandbox`, except that a Kubernetes pod confines its agent by
+    uid (`bwrap` -> `uid`); RolloutError when the mode is unknown or cannot run here."""
+    if sandbox not in MODES:
+        raise RolloutError(f"sandbox must be one of {', '.join(MODES)}, not {sandbox!r}")
+    if backend == "k8s":
+        return "uid" if sandbox == "bwrap" else sandbox
+    if why := unavailable(sandbox):
+        raise RolloutError(why)
+    return sandbox
+
+
 def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter], *, proxy: str, out: str | Path,
             attempts: int = 1, concurrency: int = 1, on_failure: str = "zero", fresh_verify_copy: bool = False,
-            pass_threshold: float = 1.0, backend: str = "local",
-            run_id: str | None = None) -> tuple[str, list[EpisodeSpec]]:
-    """Check every input and plan the episodes: (run id, specs); RolloutError for bad input."""
+            pass_threshold: float = 1.0, backend: str = "local", run_id: str | None = None,
+            sandbox: str = "bwrap", client_token: str | None = None,
+            reward_token: str | None = None) -> tuple[str, list[EpisodeSpec]]:
+    """Check every input and plan the episodes: (run id, specs); RolloutError for bad input, or for a
+    sandbox that cannot run here. The tokens are `execute`'s (accepted here so all three functions take the
+    same keyword arguments)."""
     if attempts < 1 or concurrency < 1:
         raise RolloutError("--attempts and --concurrency must be >= 1")
     if on_failure not in ON_FAILURE:
@@ -212,9 +267,10 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
     if backend == "local":
         for adapter in adapters:
             check_installed(adapter)
+    mode = check_sandbox(sandbox, backend)
     run_id = run_id or new_run_id()
     specs = plan(task_list, adapters, attempts, proxy_url=proxy.rstrip("/"), out=Path(out), run_id=run_id,
-                 fresh_verify_copy=fresh_verify_copy, on_failure=on_failure)
+                 fresh_verify_copy=fresh_verify_copy, on_failure=on_failure, sandbox=mode)
     if not specs:
         raise RolloutError("no episode to run: every task's 'toolchains' excludes the toolchains given")
     return run_id, specs
@@ -223,10 +279,15 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
 def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts: int, concurrency: int = 1,
             on_failure: str = "zero", pass_threshold: float = 1.0, backend: str = "local",
             k8s_options: K8sOptions | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None,
-            done: Sequence[EpisodeResult] = ()) -> Rollout:
+            done: Sequence[EpisodeResult] = (), sandbox: str | None = None, client_token: str | None = None,
+            reward_token: str | None = None) -> Rollout:
     """Run planned episodes on `backend` (`k8s`: as Jobs, with `k8s_options`); every result in
     `out/results.jsonl`, the summary in `out/summary.json`. `done`: results of episodes an interrupted
-    earlier run of the same rollout finished, counted with the new ones (first)."""
+    earlier run of the same rollout finished, counted with the new ones (first). `sandbox`: run them under
+    this mode instead of the planned one. Tokens: module docstring."""
+    if sandbox is not None:
+        mode = check_sandbox(sandbox, backend)
+        specs = [replace(s, sandbox=mode) for s in specs]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -237,7 +298,7 @@ def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts:
             raise RolloutError("--backend k8s needs the cluster settings (--k8s-config FILE.toml)")
         results = k8s.submit(specs, k8s_options, concurrency=concurrency, on_done=on_done)
     else:
-        results = run_local(specs, concurrency, on_done)
+        results = run_local(specs, concurrency, on_done, client_token=client_token, reward_token=reward_token)
     results = [*done, *results]
     summary = summarize(results, run_id=run_id, attempts=attempts, pass_threshold=pass_threshold,
                         on_failure=on_failure, wall_s=time.monotonic() - started)
@@ -249,11 +310,14 @@ def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts:
 def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter], *, proxy: str, out: str | Path,
         attempts: int = 1, concurrency: int = 1, on_failure: str = "zero", fresh_verify_copy: bool = False,
         pass_threshold: float = 1.0, backend: str = "local", k8s_options: K8sOptions | None = None,
-        run_id: str | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None) -> Rollout:
-    """`openforge rollout` as a function (docs/rollouts.md): `prepare`, then `execute`. Tokens come from
-    $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError for bad input (nothing run)."""
+        run_id: str | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None,
+        sandbox: str = "bwrap", client_token: str | None = None, reward_token: str | None = None) -> Rollout:
+    """`openforge rollout` as a function (docs/rollouts.md): `prepare`, then `execute`. Tokens: the
+    arguments, else $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError for bad input or a
+    sandbox that cannot run here (nothing run)."""
     run_id, specs = prepare(tasks, toolchains, proxy=proxy, out=out, attempts=attempts, concurrency=concurrency,
                             on_failure=on_failure, fresh_verify_copy=fresh_verify_copy,
-                            pass_threshold=pass_threshold, backend=backend, run_id=run_id)
+                            pass_threshold=pass_threshold, backend=backend, run_id=run_id, sandbox=sandbox)
     return execute(run_id, specs, out=out, attempts=attempts, concurrency=concurrency, on_failure=on_failure,
-                   pass_threshold=pass_threshold, backend=backend, k8s_options=k8s_options, on_done=on_done)
+                   pass_threshold=pass_threshold, backend=backend, k8s_options=k8s_options, on_done=on_done,
+                   client_token=client_token, reward_token=reward_token)

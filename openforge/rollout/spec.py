@@ -1,9 +1,9 @@
 """What one rollout episode is, as the runner hands it to the episode entrypoint (a local process or a
 Kubernetes Job): the contract between them, plain JSON-able data.
 
-Secrets never travel in a spec: the agent's proxy key comes from `OPENFORGE_CLIENT_TOKEN` and the
-verifier's reward token from `OPENFORGE_REWARD_TOKEN`, both from the environment (a Secret in a Job), and
-the agent's process never sees the reward token.
+Secrets never travel in a spec: the local runner hands the episode process the client token and the
+episode's reward key on stdin; a Job gets `OPENFORGE_CLIENT_TOKEN` and `OPENFORGE_REWARD_TOKEN` from a
+Secret. The agent's process never sees the reward token nor the episode's key.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ class EpisodeSpec:
     out_dir: str  # stdout, stderr, result.json of this episode
     workdir: str
     home: str
-    fresh_verify_copy: bool = False  # verify in a copy of the workspace taken right after the agent exits
+    fresh_verify_copy: bool = False  # kept for old specs and options: the verifier always runs in a fresh copy
     on_failure: str = "zero"  # a failed episode's reward: "zero" posts 0.0, "drop" posts none
+    sandbox: str = "none"  # how the agent and verifier are confined (sandbox.py); the runner always sets it
     version: int = SPEC_VERSION
 
     @property
