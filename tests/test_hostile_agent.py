@@ -39,13 +39,15 @@ def hostile_adapter(path: Path, engine_url: str | None = None) -> str:
 
 def tasks_file(path: Path) -> Path:
     """Two tasks neither agent is told the answer of: one graded by the example verifier (`python -m
-    openforge.examples.verifier`), one by `python -m pytest` on a test file the task ships."""
+    openforge.examples.verifier`), one by `python -m pytest` on a test file the task ships, written as
+    docs/security.md says a pytest verifier must be (the task's own pytest.ini, `--noconftest`)."""
     py = sys.executable
     tasks = [
         {"id": "add", "prompt": "What is 17 + 25?", "verify": f"{py} -m openforge.examples.verifier --answer 42",
          "timeout_s": 120},
-        {"id": "pytest", "prompt": "Write 42 to answer.txt.", "files": {"test_answer.py": TEST_ANSWER},
-         "verify": f"{py} -m pytest -q -p no:cacheprovider test_answer.py", "timeout_s": 120},
+        {"id": "pytest", "prompt": "Write 42 to answer.txt.",
+         "files": {"test_answer.py": TEST_ANSWER, "pytest.ini": "[pytest]\n"},  # restored over the agent's
+         "verify": f"{py} -m pytest -q --noconftest -p no:cacheprovider test_answer.py", "timeout_s": 120},
     ]
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return path

@@ -39,6 +39,15 @@ SECRET_FILE = re.compile(r"openforge_[a-z_]*(?:tokens|key)_file=([^\x00\s]+)")
 DERIVED_KEY = re.compile(r"ofep-[0-9a-f]{64}")
 SERVICES = ("mitmdump", "openforge", "llama", "vllm", "pytest", "rollout.episode", "xllamacpp")
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# A conftest.py that turns every failing test into a pass (pytest loads it from the rootdir).
+PASS_EVERY_TEST = """import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+"""
 
 
 def http(method: str, url: str, body: dict[str, Any] | None = None, token: str | None = None,
@@ -169,10 +178,12 @@ class Hostile:
         self.note("forge a flow file with a reward record", "planted" if planted else "blocked", planted)
 
     def shadow_verifiers(self) -> None:
-        """`python -m pytest` and `python -m openforge.examples.verifier` run from the workspace import these."""
+        """`python -m pytest` and `python -m openforge.examples.verifier` run from the workspace import these;
+        pytest also reads a conftest.py and a pytest.ini there (collect only, silently: exit 0, no output)."""
         fake = "print(1.0)\n"
         files = {"pytest.py": fake, "openforge/__init__.py": "", "openforge/examples/__init__.py": "",
                  "openforge/examples/verifier.py": fake, "sitecustomize.py": "print(1.0)\n",
+                 "conftest.py": PASS_EVERY_TEST, "pytest.ini": "[pytest]\naddopts = --co -p no:terminal\n",
                  "transcript.json": json.dumps({"final": "I do not know", "tool_results": []})}
         for rel, text in files.items():
             Path(rel).parent.mkdir(parents=True, exist_ok=True)
