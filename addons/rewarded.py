@@ -34,8 +34,8 @@ class RewardedEpisodes:
         for path in flowfile.expand_paths([flow_dir]):
             ff = flowfile.open_flow_file(path, key)
             try:
-                episodes.update(r["episode"] for r in ff.records()
-                                if r.get("type") == "reward" and isinstance(r.get("episode"), str))
+                episodes.update(episode for r in ff.records()
+                                if r.get("type") == "reward" and isinstance(episode := r.get("episode"), str))
             except (OSError, flowfile.UnsupportedVersion) as e:
                 logger.warning(f"OpenForge: rewards in {path} not read: {e}")
                 continue

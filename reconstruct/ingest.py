@@ -158,7 +158,8 @@ class Ingest:
             self._flush()
             for reason, detail in file_problems(reader):
                 self.summary.records += reason == "undecodable_record"  # a record read, and skipped
-                con.execute("INSERT INTO skipped VALUES (?, NULL, ?, ?)", [self.file_id, reason, _text(f"{path}: {detail}")])
+                con.execute("INSERT INTO skipped VALUES (?, NULL, ?, ?)",
+                            [self.file_id, reason, _text(f"{path}: {detail}")])
                 self.summary.skipped[reason] += 1
             self._mark_read(path, reader.n_records, size, bool(reader.torn_tail))
             con.commit()
@@ -255,8 +256,8 @@ class Ingest:
         elif kind == "exchange":
             self._exchange(cast(ExchangeRecord, rec))
         elif kind == "reward_refused":  # a second post the proxy refused (409): on record, never a reward
-            self._skip(rec.get("id"), "refused_reward",
-                       f"episode {rec.get('episode')!r:.80}: reward {rec.get('reward')!r:.40} refused: {rec.get('error')!r:.200}")
+            self._skip(rec.get("id"), "refused_reward", f"episode {rec.get('episode')!r:.80}: reward "
+                       f"{rec.get('reward')!r:.40} refused: {rec.get('error')!r:.200}")
         else:
             self._skip(rec.get("id"), "unknown_record_type", f"record type {kind!r}")
 

@@ -37,14 +37,14 @@ class Bystander:
         seen = self.paths
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 seen.append(self.path)
                 self.send_response(200)
                 self.send_header("content-length", "2")
                 self.end_headers()
                 self.wfile.write(b"ok")
 
-            do_POST = do_GET  # noqa: N815
+            do_POST = do_GET
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -174,10 +174,9 @@ def test_llamacpp_logprob_ids_trusted_only_when_one_per_token():
 def test_a_record_with_a_map_as_a_map_key_skips_that_record_not_the_rest_of_its_file(tmp_path):
     """msgpack allows a map as a map key and Python's unpacker cannot build one: that record is skipped with
     its reason, and the episodes after it in the same file are built."""
+    from openforge.addons.flowfile import pack, read_header
     from openforge.reconstruct import reconstruct
     from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer
-
-    from openforge.addons.flowfile import pack, read_header
 
     before, after = FlowFactory(tmp_path / "flows", seed=16), FlowFactory(tmp_path / "after", seed=16)
     before.tool_loop("before", turns=1)
