@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import Any
 
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import ctx, exceptions, http, tcp, udp
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from openforge.protocols import endpoints
@@ -161,6 +161,20 @@ class OpenForge:
         user = wire.proxy_auth_user(flow.request.headers.get("proxy-authorization"))
         if user:
             self._proxy_users[flow.client_conn] = user
+
+    def tcp_start(self, flow: tcp.TCPFlow | udp.UDPFlow) -> None:
+        """A raw stream (SOCKS or transparent mode, a tunnel that does not speak HTTP): only to a vendor host
+        or one of `openforge_allow_hosts`, like a request; another is cut and logged."""
+        s = self.settings
+        address = flow.server_conn.address
+        host = (flow.server_conn.sni or (address[0] if address else "")).lower()
+        if s is not None and (host in s.vendor_hosts or s.host_allowed(host)):
+            return
+        logger.warning(f"OpenForge: {type(flow).__name__[:3].upper()} stream to {wire.printable(host or '?')} "
+                       f"refused: forward mode reaches only openforge_vendor_hosts and openforge_allow_hosts")
+        flow.kill()
+
+    udp_start = tcp_start
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live:

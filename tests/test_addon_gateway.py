@@ -163,6 +163,25 @@ def test_allow_hosts_lets_a_host_through(engine: Any, bystander: Bystander, star
     assert connect(p, f"127.0.0.1:{bystander.port}").startswith(b"HTTP/1.1 200")
 
 
+def test_raw_streams_reach_only_vendor_and_allowed_hosts(tmp_path: Path) -> None:
+    """SOCKS and transparent modes hand non-HTTP traffic over as TCP or UDP streams: the same gate applies."""
+    from mitmproxy.test import taddons, tflow
+
+    from openforge.addons import options
+    from openforge.addons.proxy import OpenForge
+
+    addon = OpenForge()
+    with taddons.context(addon):
+        addon._apply(options.parse({"openforge_upstream_url": "http://127.0.0.1:9", "openforge_flow_dir": str(tmp_path),
+                                    "openforge_allow_hosts": "*.allowed.example"}))
+        for make in (tflow.ttcpflow, tflow.tudpflow):
+            for host, killed in (("10.0.0.5", True), ("api.openai.com", False), ("db.allowed.example", False)):
+                flow = make()
+                flow.server_conn.address, flow.server_conn.sni = (host, 443), None
+                (addon.tcp_start if make is tflow.ttcpflow else addon.udp_start)(flow)
+                assert (flow.error is not None and flow.error.msg == "Connection killed.") is killed, (host, make)
+
+
 # -- rewards only from the verifier -----------------------------------------------------------------------------
 def test_an_episode_key_posts_that_episode_reward_once(proxy: Any) -> None:
     key = episode_reward_key(REWARD_TOKEN, "ep/k1")
