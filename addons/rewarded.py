@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from . import flowfile
+from . import flowfile, wire
 
 logger = logging.getLogger("openforge")
 
@@ -37,7 +37,7 @@ class RewardedEpisodes:
                 episodes.update(episode for r in ff.records()
                                 if r.get("type") == "reward" and isinstance(episode := r.get("episode"), str))
             except (OSError, flowfile.UnsupportedVersion) as e:
-                logger.warning(f"OpenForge: rewards in {path} not read: {e}")
+                logger.warning(f"OpenForge: rewards in {wire.printable(str(path))} not read: {wire.printable(str(e))}")
                 continue
             files += 1
         self._episodes = episodes
