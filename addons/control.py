@@ -19,12 +19,15 @@ from urllib.parse import unquote
 
 from mitmproxy import http
 
+from openforge.protocols.reward_keys import episode_reward_key
+
 from . import access, flowfile, options, wire
 from .bodies import json_object
 from .engine import Engine
 from .errors import Refused
 from .pause import Pause
 from .recorder import Recorder
+from .rewarded import RewardedEpisodes
 
 logger = logging.getLogger("openforge")
 # Reward posts: values past these are a verifier's bug or an attack, never a training signal.
@@ -56,14 +59,17 @@ class Control:
     def __init__(self, recorder: Recorder, engine: Engine) -> None:
         self._recorder = recorder
         self._engine = engine
-        self._rewarded: set[str] = set()  # episodes rewarded here under openforge_reward_policy=first
+        self.rewarded = RewardedEpisodes()  # episodes with a reward in the flow directory
         self.policy_version = 0
         self.pause = Pause()
 
     def configure(self, s: options.Settings, updated: set[str]) -> None:
-        """Take `openforge_policy_version` when it was (re)set, not when another option changed at runtime."""
+        """Take `openforge_policy_version` when it was (re)set, not when another option changed at runtime;
+        read the rewarded episodes when the flow directory or its key was (re)set."""
         if "openforge_policy_version" in updated:
             self.policy_version = s.policy_version
+        if updated & {"openforge_flow_dir", "openforge_flow_key_file"}:
+            self.rewarded.load(s.flow_dir, s.flow_key)
 
     def answer(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """Set the answer of a request to one of the endpoints (`handles(path)`)."""
@@ -82,6 +88,8 @@ class Control:
         answer: dict[str, Any]
         try:
             record = self._reward_record(flow, episode, rest, s)
+            if s.reward_policy == "first" and episode in self.rewarded:
+                self._refuse_second(record)
         except Refused as e:
             status, answer = e.status, {"error": e.message}
             if e.status in (401, 403, 409):
@@ -92,11 +100,22 @@ class Control:
             if problem:
                 status, answer = 503, {"error": f"reward not recorded: {problem}"}
             else:
-                if s.reward_policy == "first":
-                    self._rewarded.add(episode)
+                self.rewarded.add(episode)
                 status, answer = 200, {"ok": True, "id": record["id"], "episode": episode}
                 logger.info(f"reward episode={wire.printable(episode)} reward={record['reward']:g}")
         respond(flow, status, answer)
+
+    def _refuse_second(self, record: flowfile.RewardRecord) -> None:
+        """Record a second reward post for an episode as refused, then refuse it (409)."""
+        message = (f"episode {record['episode']!r} already has a reward and openforge_reward_policy is first: "
+                   "this one is not counted")
+        refused: flowfile.RefusedRewardRecord = {
+            "type": "reward_refused", "id": record["id"], "proxy": record["proxy"], "seq": record["seq"],
+            "t": record["t"], "episode": record["episode"], "reward": record["reward"], "task_id": record["task_id"],
+            "error": message}
+        problem = self._recorder.write_record(refused)
+        raise Refused(409, message if not problem else f"{message} (and the refusal not recorded: {problem})",
+                      "conflict")
 
     def _reward_record(self, flow: http.HTTPFlow, episode: str, rest: str,
                        s: options.Settings) -> flowfile.RewardRecord:
@@ -106,7 +125,7 @@ class Control:
             raise Refused(404, "use POST /openforge/v1/episodes/<episode>/reward", "not_found")
         if req.method != "POST":
             raise Refused(405, "use POST", "method_not_allowed")
-        check_reward_token(req, s, "posting a reward")
+        check_reward_token(req, s, "posting a reward", episode)
         if len(episode) > MAX_ID_CHARS or not episode.isprintable():
             raise Refused(400, f"the episode id must be 1-{MAX_ID_CHARS} printable characters", "invalid_request_error")
         body = json_object(req.content) if len(req.content or b"") <= MAX_REWARD_BODY else None
@@ -125,9 +144,6 @@ class Control:
         metadata = body.get("metadata")
         if metadata is not None:
             check_metadata(metadata)
-        if s.reward_policy == "first" and episode in self._rewarded:
-            raise Refused(409, f"episode {episode!r} already has a reward and openforge_reward_policy is first: "
-                          "this one is not recorded", "conflict")
         record_id, seq = self._recorder.next_id()
         return {"type": "reward", "id": record_id, "proxy": self._recorder.instance, "seq": seq, "t": time.time(),
                 "episode": episode, "reward": float(reward), "task_id": None if task_id is None else str(task_id),
@@ -229,13 +245,17 @@ def answer_refusable(flow: http.HTTPFlow, action: str, make: Callable[[], dict[s
     respond(flow, status, answer)
 
 
-def check_reward_token(req: http.Request, s: options.Settings, action: str) -> None:
-    """Refuse, once any token is set, a request that does not present a reward token: 403 for a client token
-    (the agent's), 401 for none or an unknown one."""
+def check_reward_token(req: http.Request, s: options.Settings, action: str, episode: str | None = None) -> None:
+    """Refuse, once any token is set, a request that does not present a reward token (or, for an episode's
+    reward, that episode's key `episode_reward_key(token, episode)`): 403 for a client token (the agent's),
+    401 for none or an unknown one."""
     if not s.guarded:
         return
     given = access.presented(req.headers.fields, None)
-    if not (s.reward_tokens and access.matches(given, s.reward_tokens)):
+    accepted = s.reward_tokens
+    if episode is not None:
+        accepted += tuple(episode_reward_key(t, episode).encode() for t in s.reward_tokens)
+    if not (accepted and access.matches(given, accepted)):
         if access.matches(given, s.client_tokens):
             raise Refused(403, f"{action} needs a reward token (openforge_reward_tokens); a client token is not "
                           "enough", "permission_error")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from . import access
+from . import access, flowfile
 
 PROFILES = ("auto", "vllm", "sglang", "llamacpp", "generic")
 REWARD_POLICIES = ("last", "first")
@@ -57,6 +57,12 @@ SPECS = (
                "(a trailing /v1 is accepted). Required."),
     OptionSpec("openforge_upstream_key", "", "API key sent to the engine (Authorization: Bearer). Clients' own "
                "keys are always removed. Default: $OPENFORGE_UPSTREAM_KEY; never logged in full.", secret=True),
+    OptionSpec("openforge_upstream_key_file", "", "File holding the engine's API key (one trailing newline "
+               "dropped), instead of openforge_upstream_key: a secret no other process can read from the proxy's "
+               "environment."),
+    OptionSpec("openforge_flow_key_file", "", "File holding the flow key (text, at least 32 characters): every "
+               "record is signed with it (HMAC-SHA256), so reconstruct --flow-key-file uses only what this proxy "
+               "wrote. None: files are not signed."),
     OptionSpec("openforge_flow_dir", "flows", "Directory the flow files are written to."),
     OptionSpec("openforge_engine_profile", "auto", "How to ask the engine for token ids and logprobs: "
                "auto, vllm, sglang, llamacpp or generic (auto: detect from GET /v1/models)."),
@@ -76,6 +82,9 @@ SPECS = (
                "flushed to the OS as each exchange ends)."),
     OptionSpec("openforge_vendor_hosts", ",".join(DEFAULT_VENDOR_HOSTS), "Comma-separated hosts whose LLM "
                "calls are rewritten to the engine in forward mode (HTTPS_PROXY)."),
+    OptionSpec("openforge_allow_hosts", "", "Comma-separated hosts (fnmatch patterns) that forward mode may also "
+               "proxy to, unrecorded and untouched; requests and CONNECT tunnels to any other host that is not a "
+               "vendor host are refused with 403."),
     OptionSpec("openforge_client_tokens", "", "Comma-separated tokens a client must present as its API key "
                "(Bearer, x-api-key, api-key or a /k/<token>/ path prefix); replaced by the upstream key. "
                "None: no access check. Default: $OPENFORGE_CLIENT_TOKENS; never logged.", secret=True),
@@ -84,8 +93,8 @@ SPECS = (
                "set the policy version and pause the proxy (required once any token is set; a client token is not "
                "enough). Default: $OPENFORGE_REWARD_TOKENS; never logged.", secret=True),
     OptionSpec("openforge_reward_tokens_file", "", "File of reward tokens, one per line (a mounted Secret)."),
-    OptionSpec("openforge_reward_policy", "last", "Which reward of an episode counts: last (a later post "
-               "replaces it) or first (a later post is refused with 409)."),
+    OptionSpec("openforge_reward_policy", "first", "Which reward of an episode counts: first (a later post is "
+               "refused with 409 and recorded as refused) or last (a later post replaces it)."),
     OptionSpec("openforge_policy_version", "0", "The policy version the proxy starts with (a non-negative integer), "
                "stamped on every exchange record; the control API (PUT /openforge/v1/policy) changes it."),
     OptionSpec("openforge_pause_timeout", "300", "Seconds a new LLM call may wait while the proxy is paused for a "
@@ -150,8 +159,10 @@ class Settings:
     vendor_hosts: frozenset[str]
     client_tokens: tuple[bytes, ...] = ()
     reward_tokens: tuple[bytes, ...] = ()
-    reward_policy: str = "last"
+    reward_policy: str = "first"
     allow_paths: tuple[str, ...] = ()
+    allow_hosts: tuple[str, ...] = ()
+    flow_key: bytes | None = field(default=None, repr=False)
     policy_version: int = 0
     pause_timeout: float = 300.0
 
@@ -163,6 +174,10 @@ class Settings:
     def allowed(self, path: str) -> bool:
         """Whether a non-LLM engine path may be forwarded (`openforge_allow_paths`)."""
         return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.allow_paths)
+
+    def host_allowed(self, host: str) -> bool:
+        """Whether forward mode may proxy to a host that is not a vendor host (`openforge_allow_hosts`)."""
+        return any(fnmatch.fnmatchcase(host.lower(), pattern) for pattern in self.allow_hosts)
 
     def route(self, role: str) -> Route | None:
         return self.routes.get(role) or self.routes.get("*")
@@ -217,13 +232,22 @@ def parse(values: dict[str, str]) -> Settings:
     allow = tuple(p.strip() for p in get("openforge_allow_paths").split(",") if p.strip())
     if any(not p.startswith("/") for p in allow):
         raise BadOption(f"openforge_allow_paths entries must be paths starting with /, got {','.join(allow)!r}")
+    hosts = tuple(h.strip().lower() for h in get("openforge_allow_hosts").split(",") if h.strip())
+    if any("/" in h for h in hosts):
+        raise BadOption(f"openforge_allow_hosts entries must be host names, got {','.join(hosts)!r}")
+    flow_key = None
+    if path := get("openforge_flow_key_file"):
+        try:
+            flow_key = flowfile.read_key(path)
+        except ValueError as e:
+            raise BadOption(f"openforge_flow_key_file: {e}") from None
     return Settings(
         upstream_url=url,
         upstream_scheme=parts.scheme,
         upstream_host=parts.hostname,
         upstream_port=port,
         upstream_prefix=prefix,
-        upstream_key=_upstream_key(get("openforge_upstream_key")),
+        upstream_key=_upstream_key(get("openforge_upstream_key"), get("openforge_upstream_key_file")),
         flow_dir=_flow_dir(get("openforge_flow_dir")),
         engine_profile=profile,
         routes=parse_models(get("openforge_models")),
@@ -238,6 +262,8 @@ def parse(values: dict[str, str]) -> Settings:
         reward_tokens=reward_tokens,
         reward_policy=policy,
         allow_paths=allow,
+        allow_hosts=hosts,
+        flow_key=flow_key,
         policy_version=_policy_version(get("openforge_policy_version")),
         pause_timeout=_pause_timeout(get("openforge_pause_timeout")),
     )
@@ -309,8 +335,17 @@ def _pause_timeout(value: str) -> float:
     return timeout
 
 
-def _upstream_key(key: str) -> str:
-    """The key as given, refused when it cannot be a header value: the proxy would start and every call fail."""
+def _upstream_key(key: str, path: str) -> str:
+    """The key as given (or from its file, one trailing newline dropped), refused when it cannot be a header
+    value: the proxy would start and every call fail."""
+    if path:
+        if key:
+            raise BadOption("both openforge_upstream_key and openforge_upstream_key_file are set: give one")
+        try:
+            key = Path(path).expanduser().read_text(encoding="utf-8").removesuffix("\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadOption(f"cannot read openforge_upstream_key_file {path!r}: "
+                            f"{getattr(e, 'strerror', None) or e}") from None
     if key != key.strip():
         raise BadOption("openforge_upstream_key ends with a newline or space (a Kubernetes Secret made with "
                         "--from-file, or `echo` into a file, adds one): remove it, e.g. `printf %s KEY`")

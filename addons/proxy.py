@@ -22,14 +22,14 @@ import time
 import weakref
 from typing import Any
 
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import ctx, exceptions, http, tcp, udp
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from openforge.protocols import endpoints
 from openforge.protocols.engine_ids import body_has_token_ids
 from openforge.protocols.errors import ProtocolError
 
-from . import access, bodies, calllog, control, errors, flowfile, options, profiles, routes, translate, wire
+from . import access, bodies, calllog, control, errors, flowfile, options, profiles, routes, secrecy, translate, wire
 from .calllog import CallLog
 from .control import Control
 from .engine import Engine
@@ -59,6 +59,7 @@ class OpenForge:
 
     # -- options -------------------------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
+        secrecy.make_nondumpable()  # before any secret is read
         self.calllog.install()
         self._error_pages.install()
         self._load_error = options.declare(loader)
@@ -96,8 +97,10 @@ class OpenForge:
         logger.info(f"OpenForge routes (role -> engine model, forced sampling): "
                     f"{wire.printable(options.describe_routes(new.routes))}")
         allowed = wire.printable(",".join(new.allow_paths)) or "none"
+        hosts = wire.printable(",".join(new.allow_hosts)) or "none"
         logger.info(f"OpenForge access: {len(new.client_tokens)} client token(s), {len(new.reward_tokens)} reward "
-                    f"token(s), reward policy {new.reward_policy}, other engine paths allowed: {allowed}")
+                    f"token(s), reward policy {new.reward_policy}, other engine paths allowed: {allowed}, other "
+                    f"hosts allowed in forward mode: {hosts}, flow files {'signed' if new.flow_key else 'unsigned'}")
         self._warned_roles.clear()
         self._check_route(new, new.default_role)
 
@@ -142,10 +145,36 @@ class OpenForge:
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def http_connect(self, flow: http.HTTPFlow) -> None:
-        """Forward mode: remember the proxy-auth user of a CONNECT tunnel as the episode of its requests."""
+        """Forward mode: a tunnel only to a vendor host (or one of `openforge_allow_hosts`); remember its
+        proxy-auth user as the episode of its requests."""
+        s = self.settings
+        host = flow.request.host.lower()
+        if s is None:
+            flow.response = errors.protocol_error("other", 503, "OpenForge proxy is not configured (see its log)",
+                                                  "not_configured")
+            return
+        if host not in s.vendor_hosts and not s.host_allowed(host):
+            self._refuse(flow, s, None, flow.request.pretty_url, endpoints.Prefixes(), 403,
+                         f"OpenForge: no tunnel to {host}: forward mode reaches only openforge_vendor_hosts and "
+                         "openforge_allow_hosts", "permission_error")
+            return
         user = wire.proxy_auth_user(flow.request.headers.get("proxy-authorization"))
         if user:
             self._proxy_users[flow.client_conn] = user
+
+    def tcp_start(self, flow: tcp.TCPFlow | udp.UDPFlow) -> None:
+        """A raw stream (SOCKS or transparent mode, a tunnel that does not speak HTTP): only to a vendor host
+        or one of `openforge_allow_hosts`, like a request; another is cut and logged."""
+        s = self.settings
+        address = flow.server_conn.address
+        host = (flow.server_conn.sni or (address[0] if address else "")).lower()
+        if s is not None and (host in s.vendor_hosts or s.host_allowed(host)):
+            return
+        logger.warning(f"OpenForge: {type(flow).__name__[:3].upper()} stream to {wire.printable(host or '?')} "
+                       f"refused: forward mode reaches only openforge_vendor_hosts and openforge_allow_hosts")
+        flow.kill()
+
+    udp_start = tcp_start
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live:
@@ -258,15 +287,22 @@ class OpenForge:
             _mask_request(req)  # the verifier's or the probe's token
             return None
         direct = self._is_direct(flow)
-        vendor = not direct and req.pretty_host.lower() in s.vendor_hosts
+        host = req.pretty_host.lower()
+        vendor = not direct and host in s.vendor_hosts
         prefixes = endpoints.Prefixes()
         if direct:
             path, prefixes = endpoints.strip_prefixes(path)
         kind = endpoints.classify(req.method, path) if (direct or vendor) else None
-        if s.client_tokens and (direct or kind is not None) and not access.matches(
-                access.presented(req.headers.fields, prefixes.token), s.client_tokens):
-            self._refuse(flow, s, kind, path, prefixes, 401, "OpenForge: missing or unknown API key: present one "
-                         "of the proxy's client tokens as the API key", "invalid_api_key")
+        if s.client_tokens and not access.matches(access.presented(req.headers.fields, prefixes.token),
+                                                  s.client_tokens):  # in every mode, to every host
+            self._refuse(flow, s, kind or endpoints.classify(req.method, path), path, prefixes, 401,
+                         "OpenForge: missing or unknown API key: present one of the proxy's client tokens as the "
+                         "API key", "invalid_api_key")
+            return None
+        if not (direct or vendor or s.host_allowed(host)):  # forward mode is an LLM gateway, not an open proxy
+            self._refuse(flow, s, endpoints.classify(req.method, path), path, prefixes, 403,
+                         f"OpenForge: {host} is not an LLM vendor host: forward mode reaches only "
+                         "openforge_vendor_hosts and openforge_allow_hosts", "permission_error")
             return None
         if kind is None:
             if direct and not s.allowed(path):

@@ -46,17 +46,17 @@ class Recorder:
         self.write_error: str | None = None
         self._seq = itertools.count(1)
         self._id_prefix = secrets.token_hex(12)  # record ids: this + the sequence number (uuid4 costs a syscall)
-        self._where: tuple[Any, ...] | None = None  # the writer's (directory, max bytes, fsync interval)
+        self._where: tuple[Any, ...] | None = None  # the writer's (directory, max bytes, fsync interval, key)
 
     def configure(self, s: options.Settings) -> None:
-        """Open the flow file's writer, again when its directory, size or fsync interval changed."""
-        where = (s.flow_dir, s.flow_max_bytes, s.fsync_interval)
+        """Open the flow file's writer, again when its directory, size, fsync interval or key changed."""
+        where = (s.flow_dir, s.flow_max_bytes, s.fsync_interval, s.flow_key)
         if where == self._where:
             return
         if self.writer is not None:
             self.writer.close()
         self.writer = flowfile.FlowWriter(s.flow_dir, self.instance, s.flow_max_bytes, s.fsync_interval,
-                                          started=self.started)
+                                          started=self.started, key=s.flow_key)
         self._where = where
 
     def next_id(self) -> tuple[str, int]:

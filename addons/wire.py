@@ -87,12 +87,15 @@ def masked_url(url: str) -> str:
     return base + sep + query
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# C0 and C1 controls, line and paragraph separators, and the invisible format characters that reorder or hide
+# text on a terminal: bidi marks, embeddings, overrides and isolates (U+202E shows `exe.txt` as `txt.exe`),
+# zero-width characters and the byte-order mark.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
 
 
 def printable(text: str) -> str:
-    """`text` with control characters as `\\xNN` / `\\uNNNN`: a logged field cannot forge a line or
-    reach the operator's terminal as an escape sequence."""
+    """`text` with control, bidi and zero-width characters as `\\xNN` / `\\uNNNN`: a logged field cannot
+    forge a line, reorder what the operator reads, or reach the terminal as an escape sequence."""
     if not _CONTROL.search(text):
         return text
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100

@@ -40,6 +40,7 @@ def reconstruct(
     keep_prompt_mismatch: bool = False,
     chat_template: str | Path | None = None,
     processor: str | Path | Vision | None = None,
+    flow_key: bytes | None = None,
 ) -> Summary:
     """Ingest flow files (ours or mitmproxy's) into `db`; rebuild the episodes they touch.
 
@@ -49,6 +50,8 @@ def reconstruct(
     `keep_prompt_mismatch`. `chat_template`: a file with the template the engine rendered prompts with.
     `processor`: a vision-language model's directory (its image processor and the chat template that renders
     images), found in a `tokenizer` directory that has one; without it, calls with images are skipped.
+    `flow_key`: the run's flow key (`flowfile.read_key`); with it only signed files count, each up to its
+    first record whose MAC fails, and the rest goes to `skipped` as `unauthenticated_file`.
     Raises `vision.ProcessorError` for a directory without a usable image processor.
     """
     started = time.monotonic()
@@ -67,7 +70,7 @@ def reconstruct(
     try:
         summary = Summary(files=len(files))
         snapshot_rewards(con)
-        ingest = Ingest(con, retok, run, summary, vision)
+        ingest = Ingest(con, retok, run, summary, vision, flow_key)
         total = sum(p.stat().st_size for p in files if p.exists())
         done = 0
         for path in files:

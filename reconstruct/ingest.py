@@ -67,19 +67,26 @@ class Reader(Protocol):
     def records(self) -> Iterator[Mapping[str, Any]]: ...
 
 
-def open_reader(path: Path) -> tuple[Reader, str]:
+class Unauthenticated(Exception):
+    """A file that a flow key is given for and that is not signed with it: nothing of it is used."""
+
+
+def open_reader(path: Path, flow_key: bytes | None = None) -> tuple[Reader, str]:
     """(reader, file id) without reading past the header, so an unchanged file costs nothing.
 
-    Raises NotAFlowFile, with the reason, for a file that is neither kind.
+    Raises NotAFlowFile, with the reason, for a file that is neither kind; with a flow key, Unauthenticated
+    for a mitmproxy file (never signed).
     """
     if not path.is_file():
         raise NotAFlowFile(f"no such file: {path}")
     if path.stat().st_size and is_mitm_file(path):
+        if flow_key is not None:
+            raise Unauthenticated("a mitmproxy file is never signed")
         first = next(iter(MitmFile(path).records()), None)
         if first is None:
             raise NotAFlowFile("mitmproxy file holds no HTTP flow")
         return MitmFile(path), hashlib.sha256(f"mitmproxy:{first['id']}".encode()).hexdigest()[:32]
-    return open_flow_file(path), header_id(read_header(path))
+    return open_flow_file(path, flow_key), header_id(read_header(path))
 
 
 class Ingest:
@@ -88,12 +95,14 @@ class Ingest:
     `touched`: the episodes that got calls (pass 2 rebuilds them). `seen`: the call ids read in this run
     (a reused id is a damaged record, never a second call). The linker starts from the conversations
     already stored, so a later run's calls join their episodes. `vision`: the image processor and VL chat
-    template for calls with images; None skips them as `images_unsupported`.
+    template for calls with images; None skips them as `images_unsupported`. `flow_key`: records are used
+    only from files signed with it, up to the first record whose MAC fails (`unauthenticated_file`).
     """
 
     def __init__(self, con: duckdb.DuckDBPyConnection, retok: Retokenizer, run: str | None, summary: Summary,
-                 vision: Vision | None = None) -> None:
+                 vision: Vision | None = None, flow_key: bytes | None = None) -> None:
         self.con, self.retok, self.run, self.summary, self.vision = con, retok, run, summary, vision
+        self.flow_key = flow_key
         known = con.execute("SELECT conv_end, episode_id FROM call_tokens WHERE linked_by = 'conversation'").fetchall()
         self.linker = Linker(dict(known))
         self.hasher = ChainHasher()
@@ -107,9 +116,12 @@ class Ingest:
     def file(self, path: Path) -> None:
         """Read a flow file's records that are not stored yet (all of a new file, the tail of a grown one)."""
         try:
-            reader, self.file_id = open_reader(path)
+            reader, self.file_id = open_reader(path, self.flow_key)
         except NotAFlowFile as e:
-            self._unreadable(path, str(e))
+            self._unreadable(path, "unreadable_file", str(e))
+            return
+        except Unauthenticated as e:
+            self._unreadable(path, "unauthenticated_file", str(e))
             return
         con = self.con
         prior = con.execute(
@@ -144,12 +156,11 @@ class Ingest:
             except UnsupportedVersion as e:
                 reader.error = str(e)
             self._flush()
-            for flag, reason in ((reader.error, "corrupt_file"), (reader.torn_tail, "torn_record")):
-                if flag:
-                    detail = reader.error if reason == "corrupt_file" else "last record cut short (kill -9 mid-write)"
-                    con.execute("INSERT INTO skipped VALUES (?, NULL, ?, ?)",
-                                [self.file_id, reason, f"{path}: {detail}"])
-                    self.summary.skipped[reason] += 1
+            for reason, detail in file_problems(reader):
+                self.summary.records += reason == "undecodable_record"  # a record read, and skipped
+                con.execute("INSERT INTO skipped VALUES (?, NULL, ?, ?)",
+                            [self.file_id, reason, _text(f"{path}: {detail}")])
+                self.summary.skipped[reason] += 1
             self._mark_read(path, reader.n_records, size, bool(reader.torn_tail))
             con.commit()
         except BaseException:
@@ -171,12 +182,12 @@ class Ingest:
                 buf.add(**row, source=source, metadata=None)
         self.summary.rewards += buf.flush()
 
-    def _unreadable(self, path: Path, error: str) -> None:
-        """A file that is no flow file: one `skipped` row per path, replaced by each run that meets it."""
+    def _unreadable(self, path: Path, reason: str, error: str) -> None:
+        """A file none of which is read: one `skipped` row per path, replaced by each run that meets it."""
         fid = "path:" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:27]
         self.con.execute("DELETE FROM skipped WHERE file_id = ? AND record_id IS NULL", [fid])
-        self.con.execute("INSERT INTO skipped VALUES (?, NULL, 'unreadable_file', ?)", [fid, f"{path}: {error}"])
-        self.summary.skipped["unreadable_file"] += 1
+        self.con.execute("INSERT INTO skipped VALUES (?, NULL, ?, ?)", [fid, reason, f"{path}: {error}"])
+        self.summary.skipped[reason] += 1
 
     def _buffers(self) -> dict[str, store.Buffer]:
         con = self.con
@@ -244,6 +255,9 @@ class Ingest:
             self._reward(cast(RewardRecord, rec))
         elif kind == "exchange":
             self._exchange(cast(ExchangeRecord, rec))
+        elif kind == "reward_refused":  # a second post the proxy refused (409): on record, never a reward
+            self._skip(rec.get("id"), "refused_reward", f"episode {rec.get('episode')!r:.80}: reward "
+                       f"{rec.get('reward')!r:.40} refused: {rec.get('error')!r:.200}")
         else:
             self._skip(rec.get("id"), "unknown_record_type", f"record type {kind!r}")
 
@@ -375,6 +389,19 @@ class Ingest:
             summary.calls_mixed += 1
         else:
             summary.calls_retokenized += 1
+
+
+def file_problems(reader: Reader) -> list[tuple[str, str]]:
+    """(skipped reason, detail) of what a read file could not give: records skipped as undecodable, where it
+    stopped (corruption, a MAC that failed) and a torn tail."""
+    problems = [("undecodable_record", bad) for bad in getattr(reader, "bad_records", [])]
+    if reader.error:
+        problems.append(("corrupt_file", reader.error))
+    if unauthenticated := getattr(reader, "unauthenticated", None):
+        problems.append(("unauthenticated_file", unauthenticated))
+    if reader.torn_tail:
+        problems.append(("torn_record", "last record cut short (kill -9 mid-write)"))
+    return problems
 
 
 def token_ids(call: Call, retok: Retokenizer) -> tuple[list[int] | RawIds, list[int], str]:

@@ -78,11 +78,25 @@ def test_reward_refuses_long_or_control_character_episode_ids(open_proxy: Any, e
     assert r.status_code == 400 and "episode" in r.json()["error"], r.text
 
 
-def test_reward_policy_last_is_recorded_on_every_reward(open_proxy: Any) -> None:
+def test_reward_policy_last_is_recorded_on_every_reward(engine: Any, start_proxy: Any) -> None:
+    proxy = start_proxy(engine.url, "openforge_reward_policy=last")
     for value in (0.0, 1.0):
-        assert httpx.post(f"{open_proxy.url}/openforge/v1/episodes/twice/reward", json={"reward": value}).is_success
-    rewards = [r for r in records(open_proxy) if r["type"] == "reward" and r["episode"] == "twice"]
+        assert httpx.post(f"{proxy.url}/openforge/v1/episodes/twice/reward", json={"reward": value}).is_success
+    rewards = [r for r in records(proxy) if r["type"] == "reward" and r["episode"] == "twice"]
     assert [(r["reward"], r["reward_policy"]) for r in rewards] == [(0.0, "last"), (1.0, "last")]
+
+
+def test_the_first_reward_counts_by_default_and_a_second_is_refused_on_record(open_proxy: Any) -> None:
+    """A later post (the agent's own, from a process that outlived it) never replaces the verifier's: 409,
+    a warning line and a `reward_refused` record."""
+    url = f"{open_proxy.url}/openforge/v1/episodes/once/reward"
+    assert httpx.post(url, json={"reward": 0.0, "task_id": "t"}).is_success
+    later = httpx.post(url, json={"reward": 0.99})
+    assert later.status_code == 409 and "already has a reward" in later.json()["error"]
+    recs = [r for r in records(open_proxy) if r.get("episode") == "once"]
+    assert [(r["type"], r["reward"]) for r in recs] == [("reward", 0.0), ("reward_refused", 0.99)]
+    assert recs[0]["reward_policy"] == "first" and "already has a reward" in recs[1]["error"]
+    assert "reward refused (409) episode=once" in open_proxy.log()
 
 
 # -- B. access ---------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import httpx
 import typer
 from typer.testing import CliRunner
 
-from openforge.addons.flowfile import FlowWriter
+from openforge.addons.flowfile import FlowWriter, expand_paths, open_flow_file
 from openforge.commands import flows
 from openforge.processes import free_port
 from tests.conftest import ROOT
@@ -24,11 +24,15 @@ RUN_PROXY = ("import sys, typer\nfrom openforge.commands import proxy\napp = typ
 
 
 def test_proxy_command_runs_mitmdump_with_the_addon(tmp_path: Path) -> None:
+    """With the key and the flow key from files: the records are signed, and `flows show` reads them."""
     port = free_port()
+    (tmp_path / "key").write_text("sk-secret-key-0123456789\n")
+    (tmp_path / "flow.key").write_text("f" * 40)
     with ScriptedEngine() as eng:
         proc = subprocess.Popen(
             [sys.executable, "-c", RUN_PROXY, "proxy", "--upstream", eng.url, "--port", str(port),
-             "--flow-dir", str(tmp_path / "f"), "--key", "sk-secret-key-0123456789", "--",
+             "--flow-dir", str(tmp_path / "f"), "--key-file", str(tmp_path / "key"),
+             "--flow-key-file", str(tmp_path / "flow.key"), "--",
              "--set", "openforge_record_other=true", "--set", "openforge_allow_paths=/health"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
@@ -52,6 +56,9 @@ def test_proxy_command_runs_mitmdump_with_the_addon(tmp_path: Path) -> None:
     shown = CliRunner().invoke(_flows_app(), ["flows", "show", str(tmp_path / "f"), "--json"])
     rows = [json.loads(line) for line in shown.stdout.splitlines()]
     assert [(r["protocol"], r["episode"]) for r in rows] == [("chat", "cli"), ("other", None)]
+    (path,) = expand_paths([tmp_path / "f"])
+    signed = open_flow_file(path, b"f" * 40)
+    assert len(list(signed.records())) == 2 and signed.unauthenticated is None
 
 
 def _flows_app() -> typer.Typer:

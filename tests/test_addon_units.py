@@ -180,6 +180,14 @@ def test_printable_escapes_control_characters() -> None:
     assert wire.printable("plain café") == "plain café"
 
 
+def test_printable_escapes_bidi_and_invisible_characters() -> None:
+    """A right-to-left override (U+202E) shows `ep-gnp.exe` as `ep-exe.png`; isolates, zero-width characters
+    and the byte-order mark hide or reorder text the same way."""
+    assert wire.printable("ep-\u202egnp.exe") == "ep-\\u202egnp.exe"
+    assert wire.printable("a\u2066b\u2069c\u200bd\u200fe\ufefff\u061c") == (
+        "a\\u2066b\\u2069c\\u200bd\\u200fe\\ufefff\\u061c")
+
+
 def test_sse_stripper_strips_an_event_that_is_not_utf8() -> None:
     event = b'data: {"choices": [{"delta": {"content": "caf\xff"}, "token_ids": [5], "logprobs": {"content": []}}]}\n\n'
     s = profiles.SseStripper(["return_token_ids", "logprobs"])

@@ -80,7 +80,8 @@ def test_not_a_flow_file(tmp_path: Path) -> None:
 
 def test_damaged_bytes_spoil_only_what_they_hit(tmp_path: Path) -> None:
     """A string that is not UTF-8 spoils only itself; a map without `type` is the reader's caller's to report;
-    a map used as a key (one flipped bit turns a string header into a map header) stops the file there."""
+    a record with a map used as a map key (msgpack allows it, Python cannot hold it) is skipped, and the
+    records after it are read; bytes that do not decode stop the file there."""
     w = FlowWriter(tmp_path, "dmg")
     for i in range(2):
         w.write(exchange(i))
@@ -91,8 +92,13 @@ def test_damaged_bytes_spoil_only_what_they_hit(tmp_path: Path) -> None:
     with open(path, "ab") as f:
         f.write(not_utf8 + pack({"id": "no-type"}) + pack(exchange(3)) + map_key + pack(exchange(4)))
     ff = open_flow_file(path)
-    assert [r["id"] for r in ff.records()] == ["id0", "id1", "\ufffd", "no-type", "id3"]
-    assert "TypeError" in ff.error and not ff.torn_tail
+    assert [r["id"] for r in ff.records()] == ["id0", "id1", "\ufffd", "no-type", "id3", "id4"]
+    assert ff.error is None and not ff.torn_tail
+    assert len(ff.bad_records) == 1 and "TypeError" in ff.bad_records[0]
+    with open(path, "ab") as f:
+        f.write(b"\xc1" + pack(exchange(5)))  # 0xc1: never valid msgpack
+    ff = open_flow_file(path)
+    assert [r["id"] for r in ff.records()][-1] == "id4" and "corrupt data" in ff.error
 
 
 def test_read_header_reads_the_header_alone_and_names_what_is_not_one(tmp_path: Path) -> None:
@@ -101,7 +107,7 @@ def test_read_header_reads_the_header_alone_and_names_what_is_not_one(tmp_path: 
     w.close()
     (path,) = expand_paths([tmp_path])
     header = flowfile.read_header(path)
-    assert set(header) == set(flowfile.FileHeader.__annotations__) and header["proxy"] == "hdr"
+    assert set(header) == flowfile.FileHeader.__required_keys__ and header["proxy"] == "hdr"
     ff = open_flow_file(path)
     list(ff.records())
     assert flowfile.header_id(header) == ff.file_id and ff.header == header
@@ -121,7 +127,7 @@ def test_record_types_name_every_field_of_the_format_doc() -> None:
     """The TypedDicts and docs/flow-format.md list the same fields, record by record."""
     doc = (Path(__file__).parents[1] / "docs" / "flow-format.md").read_text()
     sections = {"Header record": flowfile.FileHeader, "Exchange record": flowfile.ExchangeRecord,
-                "Reward record": flowfile.RewardRecord}
+                "Reward record": flowfile.RewardRecord, "Refused reward record": flowfile.RefusedRewardRecord}
     for title, typ in sections.items():
         table = doc.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
         fields: set[str] = set()
@@ -131,3 +137,4 @@ def test_record_types_name_every_field_of_the_format_doc() -> None:
         assert fields == set(typ.__annotations__), title
     assert flowfile.RewardRecord.__optional_keys__ == {"reward_policy"}
     assert flowfile.ExchangeRecord.__optional_keys__ == {"policy_version"}  # absent in older files
+    assert flowfile.FileHeader.__optional_keys__ == {"mac"}  # in signed files only

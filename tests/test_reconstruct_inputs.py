@@ -169,3 +169,59 @@ def test_llamacpp_logprob_ids_trusted_only_when_one_per_token():
     request = {"messages": [{"role": "user", "content": "hi"}]}
     assert _parse_chat({"id": "x"}, request, answer(2), False, [])[0].engine_completion_ids == [5, 249]
     assert _parse_chat({"id": "x"}, request, answer(3), False, [])[0].engine_completion_ids is None
+
+
+def test_a_record_with_a_map_as_a_map_key_skips_that_record_not_the_rest_of_its_file(tmp_path):
+    """msgpack allows a map as a map key and Python's unpacker cannot build one: that record is skipped with
+    its reason, and the episodes after it in the same file are built."""
+    from openforge.addons.flowfile import pack, read_header
+    from openforge.reconstruct import reconstruct
+    from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer
+
+    before, after = FlowFactory(tmp_path / "flows", seed=16), FlowFactory(tmp_path / "after", seed=16)
+    before.tool_loop("before", turns=1)
+    after.tool_loop("after", turns=1)
+    (path,), (later,) = before.close(), after.close()
+    map_key = b"\x82\x81\xa1k\x01\x02\xa4type\xa8exchange"  # {{"k": 1}: 2, "type": "exchange"}
+    records = later.read_bytes()[len(pack(read_header(later))):]
+    path.write_bytes(path.read_bytes() + map_key + records)
+    s = reconstruct([tmp_path / "flows"], tmp_path / "db.duckdb", qwen_retokenizer(), missing_reward="keep")
+    assert s.skipped["undecodable_record"] == 1 and s.skipped["corrupt_file"] == 0
+    episodes = db_rows(tmp_path / "db.duckdb", "SELECT episode_id FROM episodes ORDER BY 1")
+    assert [e["episode_id"] for e in episodes] == ["after", "before"]
+    [skip] = db_rows(tmp_path / "db.duckdb", "SELECT reason, detail FROM skipped")
+    assert "TypeError" in skip["detail"]
+
+
+def test_reconstruct_cli_flow_key_file(tmp_path):
+    """`--flow-key-file`: a signed file counts, an unsigned one and a mitmproxy file are unauthenticated_file;
+    a key file that cannot be one is one error line."""
+    from mitmproxy import io
+    from mitmproxy.test import tflow
+
+    from openforge.commands import reconstruct as reconstruct_cmd
+    from tests.support.reconstruct_flows import FlowFactory, qwen_path
+
+    app = typer.Typer()
+    reconstruct_cmd.register(app)
+    key = tmp_path / "flow.key"
+    key.write_text("k" * 40 + "\n")
+    signed = FlowFactory(tmp_path / "flows", seed=17)
+    signed.writer.key = b"k" * 40
+    signed.tool_loop("signed", turns=1)
+    signed.close()
+    unsigned = FlowFactory(tmp_path / "flows", seed=18)
+    unsigned.tool_loop("unsigned", turns=1)
+    unsigned.close()
+    with open(tmp_path / "flows" / "capture.flows", "wb") as fh:  # mitmproxy's format under a flow name
+        io.FlowWriter(fh).add(tflow.tflow(resp=True))
+    runner = CliRunner()
+    base = ["reconstruct", str(tmp_path / "flows"), "--db", str(tmp_path / "x.duckdb"), "--tokenizer", qwen_path(),
+            "--missing-reward", "keep"]
+    res = runner.invoke(app, base + ["--flow-key-file", str(key)])
+    assert res.exit_code == 0, res.output
+    assert "unauthenticated_file 2" in res.output and "agent 2" in res.output  # the signed episode's two calls
+    short = tmp_path / "short.key"
+    short.write_text("short")
+    bad = runner.invoke(app, base + ["--flow-key-file", str(short)])
+    assert bad.exit_code != 0 and "at least 32" in bad.output and "Traceback" not in bad.output

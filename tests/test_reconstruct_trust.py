@@ -274,3 +274,78 @@ def test_an_episode_that_cannot_be_rebuilt_is_skipped_not_the_run(tmp_path, reto
     [skip] = rows(tmp_path, "SELECT * FROM skipped")
     assert skip["file_id"] == "episode:a" and "gone" in skip["detail"]
     assert [e["episode_id"] for e in rows(tmp_path, "SELECT episode_id FROM episodes")] == ["b"]
+
+
+# ---------------------------------------------------------------- signed flow files
+
+FLOW_KEY = b"flow-key-of-the-run-0123456789abcdef"
+
+
+def signed_run(tmp_path: Path, seed: int = 15) -> FlowFactory:
+    """The proxy's signed file: episode `ep` with the verifier's reward 0.0 (`first`)."""
+    f = FlowFactory(tmp_path / "flows", seed=seed)
+    f.writer.key = FLOW_KEY
+    f.tool_loop("ep", turns=1)
+    record = f.reward("ep", 0.0, task_id="t1")
+    record["reward_policy"] = "first"
+    f.write(record)
+    f.close()
+    return f
+
+
+def forged_reward(tmp_path: Path, key: bytes | None) -> None:
+    """What an agent writes into the run's flow directory: a file of its own (sorted first) with a reward
+    record for its episode, `reward_policy: first`, unsigned or signed with a key it made up."""
+    from openforge.addons.flowfile import FlowWriter
+
+    forger = FlowWriter(tmp_path / "flows", "0000aaaa", key=key, started=1.0)
+    forger.write({"type": "reward", "id": "f" * 32, "proxy": "0000aaaa", "seq": 1, "t": 1.0, "episode": "ep",
+                  "reward": 0.99, "task_id": "t1", "metadata": None, "reward_policy": "first"})
+    forger.close()
+
+
+@pytest.mark.parametrize("forger_key", [None, b"a-key-the-agent-made-up-0123456789"])
+def test_a_forged_flow_file_changes_no_reward_when_a_flow_key_is_given(tmp_path, retok, forger_key):
+    signed_run(tmp_path)
+    forged_reward(tmp_path, forger_key)
+    s = run(tmp_path, retok, flow_key=FLOW_KEY)
+    assert [e["reward"] for e in rows(tmp_path, "SELECT reward FROM episodes")] == [0.0]
+    assert s.skipped["unauthenticated_file"] == 1 and s.rewards == 1 and s.episodes == 1
+    [skip] = rows(tmp_path, "SELECT reason, detail FROM skipped")
+    assert skip["reason"] == "unauthenticated_file" and "0000aaaa" in skip["detail"]
+
+
+def test_without_a_flow_key_signatures_are_ignored(tmp_path, retok):
+    """Behaviour as before the key existed: every file counts (so the forged `first` reward, read first, wins)."""
+    signed_run(tmp_path)
+    forged_reward(tmp_path, None)
+    s = run(tmp_path, retok)
+    assert s.skipped["unauthenticated_file"] == 0 and s.rewards == 2
+    assert [e["reward"] for e in rows(tmp_path, "SELECT reward FROM episodes")] == [0.99]
+
+
+def test_records_appended_to_a_signed_file_are_not_used(tmp_path, retok):
+    """A reward record appended to the proxy's own file (its MAC chain cannot be continued without the key)
+    and a later reconstruct of the grown file: the first reward stands, the rest is unauthenticated_file."""
+    from openforge.addons.flowfile import pack
+
+    f = signed_run(tmp_path)
+    (path,) = f.writer.paths
+    run(tmp_path, retok, flow_key=FLOW_KEY)
+    with open(path, "ab") as out:
+        out.write(pack({"type": "reward", "id": "e" * 32, "proxy": f.writer.instance, "seq": 99, "t": 2.0,
+                        "episode": "ep", "reward": 1.0, "task_id": "t1", "metadata": None,
+                        "reward_policy": "first"}))
+    s = run(tmp_path, retok, flow_key=FLOW_KEY)
+    assert s.skipped["unauthenticated_file"] == 1 and s.rewards == 0
+    assert [e["reward"] for e in rows(tmp_path, "SELECT reward FROM episodes")] == [0.0]
+
+
+def test_a_refused_reward_is_on_record_never_a_reward(tmp_path, retok):
+    f = signed_run(tmp_path)
+    f.writer.write({"type": "reward_refused", "id": "d" * 32, "proxy": f.writer.instance, "seq": 50, "t": 3.0,
+                    "episode": "ep", "reward": 1.0, "task_id": "t1", "error": "already rewarded"})
+    f.close()
+    s = run(tmp_path, retok, flow_key=FLOW_KEY)
+    assert s.skipped["refused_reward"] == 1 and s.rewards == 1
+    assert [e["reward"] for e in rows(tmp_path, "SELECT reward FROM episodes")] == [0.0]

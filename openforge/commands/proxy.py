@@ -43,7 +43,13 @@ def proxy(
                                  help="Engine base URL, e.g. http://127.0.0.1:8000. Default: $OPENFORGE_UPSTREAM_URL."),
     key: str = typer.Option("", "--key", envvar="OPENFORGE_UPSTREAM_KEY", show_default=False, show_envvar=False,
                             help="Engine API key. Default: $OPENFORGE_UPSTREAM_KEY. Passed by environment, "
-                                 "never on mitmdump's command line; logged masked."),
+                                 "never on mitmdump's command line; logged masked. --key-file keeps it out of "
+                                 "the proxy's environment too."),
+    key_file: Path | None = typer.Option(None, "--key-file", help="File holding the engine API key (one trailing "
+                                         "newline dropped): read by the proxy, in no process's environment."),
+    flow_key_file: Path | None = typer.Option(None, "--flow-key-file", help="File holding the flow key (at least 32 "
+                                              "characters): the proxy signs every record with it, and "
+                                              "`openforge reconstruct --flow-key-file` uses only what it signed."),
     flow_dir: Path = typer.Option(Path("flows"), "--flow-dir", envvar="OPENFORGE_FLOW_DIR",
                                   help="Where flow files go."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for a sidecar)."),
@@ -63,7 +69,12 @@ def proxy(
     unchanged, e.g. `openforge proxy -- --set openforge_record_other=true`."""
     if not upstream:
         fail("no engine URL: pass --upstream http://HOST:PORT or set OPENFORGE_UPSTREAM_URL")
+    if key and key_file:
+        fail("both --key (or $OPENFORGE_UPSTREAM_KEY) and --key-file are given: give one")
     sets = ["connection_strategy=lazy", f"openforge_upstream_url={upstream}", f"openforge_flow_dir={flow_dir}"]
+    for name, path in (("upstream_key_file", key_file), ("flow_key_file", flow_key_file)):
+        if path is not None:
+            sets.append(f"openforge_{name}={path.resolve()}")
     for name, value in (("engine_profile", profile.value if profile else None), ("models", models),
                         ("translate", translate.value if translate else None)):
         if value is not None:

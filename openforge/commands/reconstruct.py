@@ -76,6 +76,11 @@ def reconstruct_command(
         "that renders images) for calls with images; found in --tokenizer when it has one. Without it such calls "
         "are skipped.",
     ),
+    flow_key_file: Path | None = typer.Option(
+        None, "--flow-key-file",
+        help="File with the key the proxy signed its flow files with (openforge_flow_key_file). Only records "
+        "whose signature holds are used; unsigned or badly signed files are skipped as unauthenticated_file.",
+    ),
 ) -> None:
     """Read flow files, rebuild each episode's trajectory tree and write samples, rewards and advantages.
 
@@ -106,6 +111,14 @@ def reconstruct_command(
              hint="give the directory of a vision-language model (its image processor and chat template)")
     if processor is None and (tokenizer / "preprocessor_config.json").is_file():
         processor = tokenizer
+    flow_key = None
+    if flow_key_file is not None:
+        from openforge.addons.flowfile import read_key
+
+        try:
+            flow_key = read_key(flow_key_file)
+        except ValueError as e:
+            fail(str(e))
 
     from openforge.reconstruct.api import reconstruct
     from openforge.reconstruct.tokenize import Retokenizer, load_tokenizer
@@ -138,7 +151,7 @@ def reconstruct_command(
                                   advantage=advantage.value, progress=progress, train_roles=roles,
                                   group_by=group_by.value,
                                   keep_prompt_mismatch=keep_prompt_mismatch, chat_template=chat_template,
-                                  processor=vision)
+                                  processor=vision, flow_key=flow_key)
         except RewardFileError as e:
             fail(str(e))
         except Exception as e:  # noqa: BLE001 - a sentence, never a traceback (a bad record is skipped, not raised)
