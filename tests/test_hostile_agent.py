@@ -47,7 +47,8 @@ def tasks_file(path: Path) -> Path:
          "timeout_s": 120},
         {"id": "pytest", "prompt": "Write 42 to answer.txt.",
          "files": {"test_answer.py": TEST_ANSWER, "pytest.ini": "[pytest]\n"},  # restored over the agent's
-         "verify": f"{py} -m pytest -q --noconftest -p no:cacheprovider test_answer.py", "timeout_s": 120},
+         "verify": f"{py} -m pytest -q --noconftest -p no:cacheprovider test_answer.py > pytest.log",
+         "timeout_s": 120},  # no stdout: the exit code is the reward
     ]
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return path

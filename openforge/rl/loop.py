@@ -385,7 +385,8 @@ class RLRun:
                              for x in results])
             found = reward_mismatches(con, results)
             con.execute("DELETE FROM rl_reward_mismatches WHERE iteration = ?", [i])
-            con.executemany("INSERT INTO rl_reward_mismatches VALUES (?, ?, ?, ?)", [(i, *m) for m in found])
+            if found:  # executemany refuses an empty list
+                con.executemany("INSERT INTO rl_reward_mismatches VALUES (?, ?, ?, ?)", [(i, *m) for m in found])
         finally:
             con.close()
         if found:

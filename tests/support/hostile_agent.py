@@ -227,6 +227,8 @@ class Hostile:
             if pid in own_tree():
                 continue
             cmdline = read_proc(pid, "cmdline").replace("\x00", " ")
+            if cmdline.startswith("bwrap "):  # the sandbox's own init: killing it only ends this episode
+                continue
             if any(s in cmdline for s in SERVICES) and LATE_MARK not in cmdline and ESCAPE_MARK not in cmdline:
                 try:
                     os.kill(pid, 0)
