@@ -166,6 +166,35 @@ def test_a_finished_run_resumes_for_more_iterations_and_a_used_directory_is_refu
     assert log[-4:] == [(3, stage) for stage in STAGES[:-1]]
 
 
+# --- one run per directory ---------------------------------------------------------------------------------
+
+def test_a_second_run_in_a_directory_in_use_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
+    first = Scripted(tmp_path / "run", [])
+    with pytest.raises(RLError, match=rf"in use by another `openforge rl` \(pid {os.getpid()} on "):
+        Scripted(tmp_path / "run", [], resume=True)
+    first.run()  # releases it at the end
+    Scripted(tmp_path / "run", [], resume=True).run()
+
+
+def test_the_lock_goes_with_its_holder_even_killed(tmp_path: Path) -> None:
+    code = ("import pathlib, time; from openforge.rl.lock import RunLock; "
+            f"lock = RunLock(pathlib.Path({str(tmp_path / 'run')!r})); lock.acquire(); "
+            "print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        cli = subprocess.run([sys.executable, "-m", "openforge.cli", "rl", "--out", str(tmp_path / "run")],
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+                             capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 2 and f"pid {holder.pid} on" in cli.stderr + cli.stdout, cli
+        assert "Traceback" not in cli.stderr and "engine" not in cli.stdout, cli
+    finally:
+        holder.kill()
+        holder.wait()
+    Scripted(tmp_path / "run", []).run()  # kill -9 released it: no stale lock
+
+
 def children(pid: int) -> set[int]:
     found: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():

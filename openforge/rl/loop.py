@@ -46,6 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from openforge.engine import EngineError
 from openforge.processes import non_dumpable, read_secret, write_secret
 from openforge.rl.config import RLConfig, load_rl_config
+from openforge.rl.lock import RunLock, RunLocked
 from openforge.rl.services import (
     CheckpointInvalid,
     ControlAPI,
@@ -126,6 +127,18 @@ class RLRun:
     def __init__(self, cfg: RLConfig, out: Path, console: Console | None = None, resume: bool = False) -> None:
         self.cfg, self.out = cfg, Path(out)
         self.console = console or Console()
+        self.lock = RunLock(self.out)  # held until run() ends: one run per directory
+        try:
+            self.lock.acquire()
+        except RunLocked as e:
+            raise RLError(str(e)) from None
+        try:
+            self._set_up(resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _set_up(self, resume: bool) -> None:
         self.state_path = self.out / "state.json"
         if resume:
             self.state = State.read(self.state_path)
@@ -250,13 +263,17 @@ class RLRun:
 
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
-        for d in (self.out, self.logs, self.flow_dir, self.gguf_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        (self.out / "rl.toml").write_text(self.cfg.to_toml())
-        self.state.save(self.state_path)
-        with self.services():
-            while self.state.iteration < self.cfg.loop.iterations:
-                self.iteration()
+        """Every remaining iteration; the run directory's lock is released at the end, however it ends."""
+        try:
+            for d in (self.out, self.logs, self.flow_dir, self.gguf_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            (self.out / "rl.toml").write_text(self.cfg.to_toml())
+            self.state.save(self.state_path)
+            with self.services():
+                while self.state.iteration < self.cfg.loop.iterations:
+                    self.iteration()
+        finally:
+            self.lock.release()
         lines = read_lines(self.out / "rl.jsonl")
         plot(lines, self.out / "rl.png")
         return lines
