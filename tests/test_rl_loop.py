@@ -63,6 +63,14 @@ def test_config_defaults_file_sets_and_flags_in_that_order(tmp_path: Path) -> No
     ("", {"train.lr": "-1"}, "lr must be finite and > 0"),
     ("", {"train.warp": "9"}, "unknown config key(s): warp"),
     ("", {"iterations": "2"}, "--set expects section.key=value"),
+    ("", {"proxy.temperature": "-1"}, "proxy.temperature must be >= 0 (0 = greedy), not -1"),
+    ("", {"proxy.temperature": "nan"}, "proxy.temperature must be >= 0"),
+    ("", {"proxy.top_p": "7"}, "proxy.top_p must be in (0, 1], not 7"),
+    ("", {"proxy.top_p": "0"}, "proxy.top_p must be in (0, 1]"),
+    ("", {"proxy.min_p": "1.5"}, "proxy.min_p must be in [0, 1]"),
+    ("", {"proxy.pause_timeout": "inf"}, "proxy.pause_timeout must be > 0 seconds"),
+    ("", {"engine.max_model_len": "5"}, "engine.max_model_len must be >= 512 tokens, not 5"),
+    ("", {"rollout.pass_threshold": "nan"}, "rollout.pass_threshold must be a finite number"),
     ("[loop\n", {}, "cannot read config"),
 ])
 def test_config_errors_name_the_setting(tmp_path: Path, text: str, sets: dict[str, str], message: str) -> None:

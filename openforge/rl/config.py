@@ -5,11 +5,13 @@ the four the loop sets itself (db, model, out, where); its `steps` are per itera
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from openforge.engine import MIN_CONTEXT
 from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config
 
 ENGINES = ("llamacpp", "vllm")
@@ -85,11 +87,18 @@ class RLConfig:
         from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
         from openforge.rollout.runner import ON_FAILURE
 
+        p = self.proxy
         checks = [
             (self.engine.backend in ENGINES, f"engine.backend must be {' or '.join(ENGINES)}"),
             (self.engine.threads >= 1 and self.engine.parallel >= 1, "engine.threads and engine.parallel must be >= 1"),
-            (self.proxy.pause_timeout > 0, "proxy.pause_timeout must be > 0"),
-            (self.proxy.max_tokens >= 0 and self.proxy.top_k >= 0, "proxy.max_tokens and proxy.top_k must be >= 0"),
+            (self.engine.max_model_len >= MIN_CONTEXT,
+             f"engine.max_model_len must be >= {MIN_CONTEXT} tokens, not {self.engine.max_model_len}"),
+            (0 <= p.temperature < math.inf, f"proxy.temperature must be >= 0 (0 = greedy), not {p.temperature:g}"),
+            (0 < p.top_p <= 1, f"proxy.top_p must be in (0, 1], not {p.top_p:g}"),
+            (0 <= p.min_p <= 1, f"proxy.min_p must be in [0, 1], not {p.min_p:g}"),
+            (0 < p.pause_timeout < math.inf, f"proxy.pause_timeout must be > 0 seconds, not {p.pause_timeout:g}"),
+            (p.max_tokens >= 0 and p.top_k >= 0, "proxy.max_tokens and proxy.top_k must be >= 0"),
+            (math.isfinite(self.rollout.pass_threshold), "rollout.pass_threshold must be a finite number"),
             (self.rollout.attempts >= 1 and self.rollout.concurrency >= 1,
              "rollout.attempts and rollout.concurrency must be >= 1"),
             (self.rollout.max_tasks >= 0, "rollout.max_tasks must be >= 0 (0 = all)"),
