@@ -150,7 +150,7 @@ def test_resume_runs_each_stage_of_each_iteration_once(tmp_path: Path, stop_at: 
     lines = [json.loads(x) for x in (tmp_path / "run" / "rl.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [0, 1, 2]
     state = json.loads((tmp_path / "run" / "state.json").read_text())
-    assert (state["iteration"], state["stage"], state["version"], state["resumes"]) == (3, "rollout", 3, 1)
+    assert (state["iteration"], state["stage"], state["version"], state["resumes"]) == (3, "eval", 3, 1)
 
 
 def test_an_interruption_after_the_line_was_written_does_not_write_it_twice(tmp_path: Path) -> None:
@@ -160,7 +160,7 @@ def test_an_interruption_after_the_line_was_written_does_not_write_it_twice(tmp_
     (tmp_path / "run" / "state.json").write_text(json.dumps(state | {"iteration": 2, "stage": "record"}))
     Scripted(tmp_path / "run", log, resume=True).run()  # killed between the line and the state's save
     lines = [json.loads(x) for x in (tmp_path / "run" / "rl.jsonl").read_text().splitlines()]
-    assert [x["iteration"] for x in lines] == [0, 1, 2] and len(log) == 12
+    assert [x["iteration"] for x in lines] == [0, 1, 2] and len(log) == 15
 
 
 def test_a_finished_run_resumes_for_more_iterations_and_a_used_directory_is_refused(tmp_path: Path) -> None:
@@ -171,17 +171,30 @@ def test_a_finished_run_resumes_for_more_iterations_and_a_used_directory_is_refu
     more = Scripted(tmp_path / "run", log, resume=True)
     more.cfg.loop.iterations = 4
     more.run()
-    assert log[-4:] == [(3, stage) for stage in STAGES[:-1]]
+    assert log[-5:] == [(3, stage) for stage in STAGES[:-1]]
 
 
 # --- one run per directory ---------------------------------------------------------------------------------
 
 def test_a_second_run_in_a_directory_in_use_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
     first = Scripted(tmp_path / "run", [])
     with pytest.raises(RLError, match=rf"in use by another `openforge rl` \(pid {os.getpid()} on "):
         Scripted(tmp_path / "run", [], resume=True)
     first.run()  # releases it at the end
     Scripted(tmp_path / "run", [], resume=True).run()
+
+
+def test_two_runs_started_in_a_new_directory_at_once_do_not_both_run(tmp_path: Path) -> None:
+    from openforge.rl.lock import RunLock
+
+    second = Scripted(tmp_path / "run", [])  # the directory does not exist yet: nothing to lock at set-up
+    first = RunLock(tmp_path / "run")
+    first.acquire()
+    with pytest.raises(RLError, match="in use by another"):
+        second.run()
+    assert not (tmp_path / "run" / "rl.jsonl").exists()
+    first.release()
 
 
 def test_the_lock_goes_with_its_holder_even_killed(tmp_path: Path) -> None:

@@ -74,6 +74,12 @@ def rl(
     lr: float | None = typer.Option(None, "--lr", help="train.lr (constant: train.min_lr_ratio = 1; default 1e-5)."),
     window: int | None = typer.Option(None, "--window", help="loop.window: train on the last W iterations' "
                                                              "samples (default 1: this iteration's)."),
+    eval_tasks: Path | None = typer.Option(None, "--eval-tasks", help="eval.tasks: held-out tasks evaluated every "
+                                           "eval.every policy versions, n samples and greedy (docs/evaluation.md); "
+                                           "or --set eval.split=0.2 to hold out a share of --tasks."),
+    tracker: list[str] = typer.Option([], "--tracker", help="tracking.trackers: tensorboard, wandb (offline) or "
+                                      "mlflow (local files), under DIR/tracking/; repeat for several "
+                                      "(docs/tracking.md)."),
     sets: list[str] = typer.Option([], "--set", help="Any field as section.key=value, e.g. --set proxy.max_tokens=256 "
                                                      "--set train.kl_coef=0.01; repeat for several."),
 ) -> None:
@@ -85,25 +91,28 @@ def rl(
     Ctrl-C stops every episode, the engine and the proxy; `--resume` continues."""
     from rich.console import Console
 
-    from openforge.rl.loop import RLError, RLRun, load, results_table
+    from openforge.rl.loop import RLError, RLRun, load, read_lines, results_table
     from openforge.trainer.config import ConfigError, parse_sets
 
     named: dict[str, Any] = {
         "loop.iterations": iterations, "engine.backend": engine.value if engine else None,
         "rollout.tasks": str(tasks) if tasks else None, "rollout.toolchains": toolchain or None,
         "rollout.attempts": attempts, "rollout.concurrency": concurrency, "train.steps": steps, "train.lr": lr,
-        "loop.window": window,
+        "loop.window": window, "eval.tasks": str(eval_tasks) if eval_tasks else None,
+        "tracking.trackers": tracker or None,
     }
     console = Console()
     try:
         cfg = load(config, parse_sets(sets) | {k: v for k, v in named.items() if v is not None},
                    out, resume)
-        if tasks is not None and not tasks.is_file():
-            raise ConfigError(f"--tasks: no such file {tasks}")
+        for flag, path in (("--tasks", tasks), ("--eval-tasks", eval_tasks)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{flag}: no such file {path}")
         run = RLRun(cfg, out, console, resume=resume)
     except (ConfigError, RLError) as e:
         fail(str(e))
     lines = run_loop(run, console)
-    console.print(results_table(lines))
-    console.print(f"rl.jsonl: {out / 'rl.jsonl'}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
+    console.print(results_table(lines, read_lines(run.eval_path)))
+    evaluated = f", evaluations: {run.eval_path}" if run.eval_path.is_file() else ""
+    console.print(f"rl.jsonl: {out / 'rl.jsonl'}{evaluated}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
                   f"served now: {run.state.served or run.start_weights}")
