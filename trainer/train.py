@@ -63,8 +63,9 @@ def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logi
 
 
 def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print,
-          new_selection: bool = False) -> Path:
-    """Train on the selected samples; returns the final checkpoint directory.
+          new_selection: bool = False, on_step: Callable[[dict[str, float]], None] | None = None) -> Path:
+    """Train on the selected samples; returns the final checkpoint directory. `on_step` gets each step's
+    metrics.jsonl record (rank 0): the RL loop's experiment trackers.
 
     `new_selection` (with `resume`): the selection is not the one the restored checkpoint trained on (the RL
     loop's next iteration), so it starts at its beginning and `steps` (or one pass) count from the restored
@@ -155,6 +156,8 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                 progress.advance(record)
+                if on_step is not None:
+                    on_step(record)
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
                 checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
     final = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)

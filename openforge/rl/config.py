@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from openforge.engine import MIN_CONTEXT
+from openforge.tracking import TRACKERS
 from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config
 
 ENGINES = ("llamacpp", "vllm")
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 LOOP_SET = ("db", "model", "out", "where")  # [train] fields the loop owns
 
 

@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import time
+import tomllib
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from openforge.rl.services import (
 )
 from openforge.rl.services import publish as publish_weights
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
+from openforge.tracking import TrackerError, Trackers
 
 STAGES = ("eval", "rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
 STATE_VERSION = 1
@@ -71,6 +73,8 @@ RL_EPISODES = """CREATE TABLE IF NOT EXISTS rl_episodes (
 RL_MISMATCHES = """CREATE TABLE IF NOT EXISTS rl_reward_mismatches (
     iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, result_reward DOUBLE, db_reward DOUBLE)"""
 REWARD_TOLERANCE = 1e-9
+UNTRACKED = ("iteration", "policy_version", "run_id", "tasks", "train_step_range", "checkpoint", "served", "eval",
+             "attempts")  # rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
 
 
 class RLError(RuntimeError):
@@ -160,6 +164,7 @@ class RLRun:
         self._restarted_in = -1  # the iteration in which the engine was last restarted
         self.tasks, self.eval_tasks = self._check_rollout()
         self.secret_files: dict[str, Path] = {}
+        self.trackers: Trackers | None = None
         self.policy: Policy | None = None
         self.proxy: ProxyProcess | None = None
         self.control: ControlAPI | None = None
@@ -287,16 +292,35 @@ class RLRun:
             self.take_lock()  # a directory that did not exist yet at set-up
             (self.out / "rl.toml").write_text(self.cfg.to_toml())
             self.state.save(self.state_path)
+            self.open_trackers()
             with self.services():
                 while self.state.iteration < self.cfg.loop.iterations:
                     self.iteration()
                 if self.cfg.eval.enabled:
                     self.evaluate(self.state.version)  # the policy the run ends with, whatever eval.every says
         finally:
+            if self.trackers is not None:
+                self.trackers.close()
             self.lock.release()
         lines = read_lines(self.out / "rl.jsonl")
         plot(lines, self.out / "rl.png", read_lines(self.eval_path))
         return lines
+
+    def open_trackers(self) -> None:
+        """The experiment trackers of [tracking] under DIR/tracking (docs/tracking.md); none: nothing."""
+        t = self.cfg.tracking
+        if not t.trackers:
+            return
+        try:
+            self.trackers = Trackers(t.trackers, self.out / "tracking", t.project, self.state.run_id,
+                                     tomllib.loads(self.cfg.to_toml()),
+                                     warn=lambda m: self.console.print(f"  [yellow]{m}[/]"))
+        except TrackerError as e:
+            raise RLError(f"tracking: {e}") from None
+
+    def track(self, series: str, values: dict[str, Any], step: int) -> None:
+        if self.trackers is not None:
+            self.trackers.log(series, values, step)
 
     def iteration(self) -> None:
         i, s = self.state.iteration, self.state
@@ -315,6 +339,7 @@ class RLRun:
         keep_lines_before(self.out / "rl.jsonl", i)  # a line an interruption left after it was written
         with (self.out / "rl.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
+        self.track("rl", {k: v for k, v in line.items() if k not in UNTRACKED}, i)
         s.iteration, s.stage = i + 1, STAGES[0]
         s.save(self.state_path)
         reward = "-" if line["reward_mean"] is None else f"{line['reward_mean']:.3f}"
@@ -385,6 +410,7 @@ class RLRun:
         line["seconds"] = round(time.monotonic() - started, 3)
         with self.eval_path.open("a") as f:
             f.write(json.dumps(line) + "\n")
+        self.track("eval", line, version)
         self.console.print(f"  evaluation of policy version {version}: {eval_brief(line)}")
 
     @property
@@ -516,7 +542,8 @@ class RLRun:
             cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
             bf16 = not cuda and cpu_has_bf16()  # CUDA: the trainer autocasts itself
             with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                final = train(cfg, resume=True, new_selection=True, say=lambda m: self.console.print(f"  {m}"))
+                final = train(cfg, resume=True, new_selection=True, say=lambda m: self.console.print(f"  {m}"),
+                              on_step=lambda record: self.track("train", record, int(record["step"])))
         except (ConfigError, DataError) as e:
             raise RLError(f"training refused: {e}") from None
         s.checkpoint = str(final)
@@ -577,6 +604,9 @@ class RLRun:
                 f"{self.selection(i)} AND policy_version = {i}").fetchone()
             mismatches = con.execute("SELECT count(*) FROM rl_reward_mismatches WHERE iteration = ?",
                                      [i]).fetchone()[0]
+            stale_max, stale_mean = con.execute(
+                f"SELECT max({i} - policy_version), avg({i} - policy_version) FROM samples WHERE n_trainable > 0 "
+                f"AND {self.selection(i)}").fetchone()
         finally:
             con.close()
         return {
@@ -592,6 +622,7 @@ class RLRun:
             "train_step_range": [metrics[0]["step"], metrics[-1]["step"]] if metrics else None,
             "train": {k: sum(m[k] for m in metrics) / len(metrics) for k in METRIC_MEANS} if metrics else None,
             "reward_mismatches": mismatches,
+            "staleness": {"max": stale_max, "mean": None if stale_mean is None else round(stale_mean, 6)},
             "checkpoint": self.state.checkpoint or None, "served": self.state.served or str(self.start_weights),
             "seconds": dict(self.state.seconds),
             "eval": next((x for x in read_lines(self.eval_path) if x["policy_version"] == i), None),
