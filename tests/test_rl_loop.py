@@ -276,3 +276,29 @@ def test_ctrl_c_mid_rollout_stops_everything_and_resume_counts_each_episode_once
     assert steps == [1, 2]  # one step per iteration, the optimizer state carried on
     assert [p.name for p in (out / "train" / "checkpoints").iterdir()] == ["step_000002"]
     assert [p.name for p in (out / "gguf").iterdir()] == ["policy-0002.gguf"]
+
+
+# --- the trainer's output in the loop ------------------------------------------------------------------------
+
+def test_the_step_message_says_which_steps_run() -> None:
+    from openforge.trainer.train import steps_phrase
+
+    assert steps_phrase(0, 4) == "steps 1-4 of this run"
+    assert steps_phrase(1, 5) == "steps 2-5 of this run (after step 1)"
+    assert steps_phrase(4, 5) == "step 5 of this run (after step 4)"
+    assert steps_phrase(5, 5) == "no step to run (the checkpoint is at step 5 of 5)"
+
+
+def test_the_progress_bar_shows_wall_time_throughput_and_time_left() -> None:
+    from openforge.trainer.train import ProgressBar
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = ProgressBar(True, 5, 1, clock=lambda: now[0], console=Console(file=out, width=200))
+    with bar:
+        for t in (600.0, 1200.0):  # two steps of 10 minutes, 6000 tokens each
+            now[0] = t
+            bar.advance({"tokens": 6000, "loss": 0.5})
+    text = out.getvalue()
+    assert "3/5" in text and "0:20:00" in text, text  # the real elapsed time
+    assert "10 tok/s" in text and "~0:20:00 left" in text, text  # 12000 tokens / 1200 s; 2 steps at 600 s

@@ -162,13 +162,15 @@ def test_the_loop_feeds_its_iterations_and_evaluations(tmp_path: Path, fake_epis
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_the_trainer_feeds_each_step(tmp_path: Path, tiny_qwen_dir: Path) -> None:
+def test_the_trainer_feeds_each_step_and_prints_no_loading_bars(tmp_path: Path, tiny_qwen_dir: Path,
+                                                                 capfd: pytest.CaptureFixture[str]) -> None:
     db = write_samples(tmp_path / "runs.duckdb", make_samples(qwen_tokenizer(), 4, seed=0, episodes=2))
     cfg = load_config(None, dict(db=str(db), model=str(tiny_qwen_dir), out=str(tmp_path / "out"), step_tokens=160,
                                  row_tokens=160, steps=2, progress=False))
     trackers = Trackers(["tensorboard"], tmp_path / "tracking", "openforge", "t", {})
     train(cfg, say=lambda _: None, on_step=lambda record: trackers.log("train", record, int(record["step"])))
     trackers.close()
+    assert "Loading weights" not in capfd.readouterr().err  # transformers' bar, once per model load
     tb = tensorboard_scalars(tmp_path / "tracking" / "tensorboard")
     logged = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(s, pytest.approx(v)) for s, v in tb["train/loss"]] == [(m["step"], m["loss"]) for m in logged]

@@ -286,6 +286,8 @@ class RLRun:
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
         """Every remaining iteration; the run directory's lock is released at the end, however it ends."""
+        from openforge.trainer.train import silence_loading_bars
+
         try:
             for d in (self.out, self.logs, self.flow_dir, self.gguf_dir):
                 d.mkdir(parents=True, exist_ok=True)
@@ -293,6 +295,7 @@ class RLRun:
             (self.out / "rl.toml").write_text(self.cfg.to_toml())
             self.state.save(self.state_path)
             self.open_trackers()
+            silence_loading_bars()  # transformers' per-load bars between the loop's lines
             with self.services():
                 while self.state.iteration < self.cfg.loop.iterations:
                     self.iteration()
