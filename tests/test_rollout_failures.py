@@ -269,3 +269,19 @@ def test_rollout_refuses_to_start_when_the_proxy_does_not_answer(tmp_path: Path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: the proxy at http://127.0.0.1:9 does not answer"), done.stderr
     assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "out" / "episodes").exists()
+
+
+def test_rl_config_takes_on_failure_as_one_value_or_a_table_and_writes_it_back(tmp_path: Path) -> None:
+    from openforge.rl.config import load_rl_config
+    from openforge.trainer.config import ConfigError
+
+    assert load_rl_config().rollout.on_failure == DEFAULT_POLICY
+    assert load_rl_config(sets={"rollout.on_failure": "zero"}).rollout.on_failure == dict.fromkeys(DEFAULT_POLICY,
+                                                                                                   "zero")
+    (tmp_path / "rl.toml").write_text('[rollout]\non_failure = {timeout = "zero"}\n')
+    cfg = load_rl_config(tmp_path / "rl.toml")
+    assert cfg.rollout.on_failure == {**DEFAULT_POLICY, "timeout": "zero"}
+    (tmp_path / "back.toml").write_text(cfg.to_toml())
+    assert load_rl_config(tmp_path / "back.toml").rollout.on_failure == cfg.rollout.on_failure
+    with pytest.raises(ConfigError, match="rollout.on_failure: unknown failure class 'slow'"):
+        load_rl_config(sets={"rollout.on_failure": "slow=drop"})

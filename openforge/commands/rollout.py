@@ -87,7 +87,8 @@ def rollout(
     from openforge.rollout.sandbox import NOT_PROTECTED
     from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult
 
-    options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency, on_failure=",".join(on_failure) or "default",
+    options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency,
+                                   on_failure=",".join(on_failure) or "default",
                                    pass_threshold=pass_threshold, backend=backend.value,
                                    sandbox="none" if no_sandbox else "bwrap")
     if backend is not Backend.k8s and (k8s_config or dry_run):
