@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -256,6 +258,20 @@ def test_engine_errors_seen_by_the_proxy_are_dropped_and_the_models_malformed_ca
     assert (got["fine"].status, got["fine"].reward, got["fine"].calls) == ("ok", 1.0, {"200": 1})
     overall = rollout.summary["overall"]
     assert overall["failure_classes"] == {"agent": 1, "engine": 1} and overall["mean_reward"] == 0.5
+    # the endpoint the episode asked: the reward token (or the episode's key) reads it, an agent's token does not
+    url = f"{proxy.url}/openforge/v1/episodes/{got['down'].episode}/calls"
+
+    def read(token: str) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers={"authorization": f"Bearer {token}"}),
+                                        timeout=30) as answer:
+                return answer.status, json.load(answer)
+        except urllib.error.HTTPError as e:
+            return e.code, None
+
+    assert read(CLIENT)[0] == 403
+    status, body = read(REWARD)
+    assert status == 200 and body["statuses"] == {"500": 1} and "CUDA error" in body["errors"][0]["message"]
 
 
 def test_rollout_refuses_to_start_when_the_proxy_does_not_answer(tmp_path: Path) -> None:
