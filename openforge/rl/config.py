@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from openforge.engine import MIN_CONTEXT
+from openforge.rollout.failures import DEFAULT_POLICY, policies
 from openforge.tracking import TRACKERS
 from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config
 
@@ -48,7 +49,8 @@ class RolloutSettings:
     toolchains: list[str] = field(default_factory=lambda: ["tool-agent"])
     attempts: int = 4             # per task and toolchain: the GRPO group
     concurrency: int = 2          # episodes at once
-    on_failure: str = "zero"      # zero | drop (docs/rollouts.md)
+    # per failure class, zero | drop; a single value sets every class (docs/rollouts.md, Failure classes)
+    on_failure: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     pass_threshold: float = 1.0
     fresh_verify_copy: bool = False  # kept for old rl.toml files: the verifier always runs in a fresh copy now
     sandbox: str = "bwrap"        # bwrap | uid | none: how agents are confined (docs/rollouts.md, Sandbox)
@@ -111,7 +113,6 @@ class RLConfig:
 
     def validate(self) -> RLConfig:
         from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
-        from openforge.rollout.runner import ON_FAILURE
         from openforge.rollout.sandbox import MODES
 
         p = self.proxy
@@ -130,7 +131,6 @@ class RLConfig:
              "rollout.attempts and rollout.concurrency must be >= 1"),
             (self.rollout.max_tasks >= 0, "rollout.max_tasks must be >= 0 (0 = all)"),
             (bool(self.rollout.toolchains), "rollout.toolchains needs at least one toolchain"),
-            (self.rollout.on_failure in ON_FAILURE, f"rollout.on_failure must be {' or '.join(ON_FAILURE)}"),
             (self.rollout.sandbox in MODES, f"rollout.sandbox must be one of {', '.join(MODES)}"),
             (self.reconstruct.advantage in ADVANTAGES, f"reconstruct.advantage must be one of {', '.join(ADVANTAGES)}"),
             (self.reconstruct.group_by in GROUPINGS, f"reconstruct.group_by must be one of {', '.join(GROUPINGS)}"),
@@ -180,6 +180,8 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -187,6 +189,11 @@ def _section_value(section: str, key: str, value: Any, default: Any) -> Any:
     """A TOML value or a `--set` string as the field's type (lists: TOML arrays or comma-separated, of the
     default's element type: strings, or integers for eval.k)."""
     name = f"{section}.{key}"
+    if name == "rollout.on_failure":
+        try:
+            return policies(value)
+        except ValueError as e:
+            raise ConfigError(f"{name}: {e}") from None
     if isinstance(default, list):
         kind = int if name == "eval.k" else str
         items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value

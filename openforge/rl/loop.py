@@ -60,6 +60,7 @@ from openforge.rl.services import (
     proxy_routes,
 )
 from openforge.rl.services import publish as publish_weights
+from openforge.rollout.failures import reward_due
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
 from openforge.tracking import TrackerError, Trackers
 
@@ -618,6 +619,7 @@ class RLRun:
             "episodes": overall["episodes"], "attempts": self.cfg.rollout.attempts,
             "reward_mean": overall["mean_reward"], "pass_at_k": overall["pass_at_k"],
             "pass_all_k": overall["pass_all_k"], "failures": overall["failures"],
+            "failure_classes": overall.get("failure_classes", {}),
             "zero_variance_groups": zero_variance_share(results),
             "toolchains": {k: _brief(v) for k, v in summary["toolchains"].items()},
             "tasks": {k: _brief(v) for k, v in summary["tasks"].items()},
@@ -645,13 +647,13 @@ def rerun(spec: EpisodeSpec, resume: int) -> EpisodeSpec:
                                home=str(ep_dir / "home"))
 
 
-def finished(result: EpisodeResult, on_failure: str) -> bool:
+def finished(result: EpisodeResult, on_failure: str | dict[str, str]) -> bool:
     """Whether an earlier try's result counts on resume: the episode ran to its end, and the reward it had to
     post reached the proxy. A SIGTERM leaves `crashed: interrupted`; a kill -9 of the loop takes the proxy
     with it, so the agent fails and its reward post with it."""
     if result.status == "crashed" and result.reason == "interrupted":
         return False
-    return result.reward_posted or not (result.reward is not None or on_failure == "zero")
+    return result.reward_posted or not reward_due(result, on_failure)
 
 
 def void_results(specs: list[EpisodeSpec]) -> None:
@@ -669,7 +671,7 @@ def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def posted_reward(result: EpisodeResult) -> float | None:
-    """The reward the episode posted to the proxy: the verifier's, 0.0 for a failure under on_failure=zero,
+    """The reward the episode posted to the proxy: the verifier's, 0.0 for a failure whose class's policy is zero,
     None when nothing reached it."""
     if not result.reward_posted:
         return None
