@@ -207,6 +207,7 @@ BAD_INPUTS = [  # (arguments, what stderr must say); every one is bad usage or b
     (["proxy", "--upstream", "http://127.0.0.1:9", "--translate", "sometimes"], "'sometimes' is not one of"),
     (["reconstruct", "nowhere", "--db", "x.duckdb", "--tokenizer", ".", "--advantage", "ppo"], "'ppo' is not one of"),
     (["reconstruct", "nowhere", "--db", "x.duckdb", "--tokenizer", "."], "error: No such flow file or directory"),
+    (["reconstruct", ".", "--db", "x.duckdb", "--tokenizer", "."], "error: no flow files (*.flows) in ."),
     (["train", "--db", "x.duckdb", "--model", ".", "--out", "o", "--objective", "dpo"], "'dpo' is not one of"),
     (["replay", "drive", "nowhere", "--upstream", "http://127.0.0.1:9", "--side", "proxy"], "'proxy' is not one of"),
     (["stats", "--db", "none.duckdb"], "error: No database at none.duckdb"),

@@ -104,6 +104,10 @@ def reconstruct_command(
     missing = [str(p) for p in flows if not p.exists()]
     if missing:
         fail(f"No such flow file or directory: {', '.join(missing)}")
+    empty = [str(p) for p in flows if p.is_dir() and next(p.rglob("*.flows"), None) is None]
+    if empty:  # an empty database would look like a run that recorded nothing
+        fail(f"no flow files (*.flows) in {', '.join(empty)}",
+             hint="give the proxy's --flow-dir (openforge_flow_dir), or the flow files themselves")
     if not tokenizer.is_dir():
         fail(f"--tokenizer {tokenizer} is not a directory", hint="give a local Hugging Face tokenizer directory")
     if processor is not None and not (processor / "preprocessor_config.json").is_file():
