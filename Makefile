@@ -34,7 +34,7 @@ toolchains:
 setup-312: $(VENV312)/.setup-done
 $(VENV312)/.setup-done: Makefile
 	PYENV_VERSION=3.12.1 python3.12 -m venv $(VENV312)
-	$(VENV312)/bin/pip install -q 'mitmproxy>=12' msgpack pytest pytest-timeout httpx 'openai<2' 'anthropic<1'
+	$(VENV312)/bin/pip install -q 'mitmproxy>=12' msgpack pytest pytest-timeout httpx 'openai<2' 'anthropic<1' pillow
 	touch $@
 
 # The LiteLLM proxy that bench/proxy_overhead.py compares against, in its own environment. Pinned: the

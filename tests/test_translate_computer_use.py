@@ -131,7 +131,6 @@ def test_computer_use_through_mitmdump_with_the_anthropic_sdk(start_proxy: Any) 
     tool_result (streamed this time) and the engine answers. A version Anthropic never had is a 400
     `invalid_request_error` the SDK raises as such. The flow file holds the client's base64 and the
     engine's data URL."""
-    pytest.importorskip("PIL")
     from openforge.examples.gui import GuiTask
     from tests.support.gui_engine import FINAL, GuiEngine
 
