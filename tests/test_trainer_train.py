@@ -187,3 +187,15 @@ def test_ppo_recomputes_the_old_policy_when_engine_logprobs_are_missing(setup, t
 
     with pytest.raises(DataError, match="have no behaviour_logprobs"):
         train(config(setup, str(tmp_path / "engine"), db=str(db), old_policy="engine"), say=lambda _: None)
+
+
+def test_a_fixed_step_count_says_which_samples_it_left_untrained(setup, tmp_path):
+    """8 samples at ~4 a step: 1 step leaves about half untrained, and says so (it once said nothing)."""
+    said: list[str] = []
+    train(config(setup, str(tmp_path / "one"), steps=1), say=said.append)
+    (line,) = [x for x in said if "were not trained" in x]
+    left = int(line.split()[0])
+    assert 0 < left < 8 and line.startswith(f"{left} of 8 samples") and "steps = 0" in line
+    said.clear()
+    train(config(setup, str(tmp_path / "pass"), steps=0), say=said.append)
+    assert not [x for x in said if "were not trained" in x], said

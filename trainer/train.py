@@ -139,6 +139,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
         say(f"{n_samples} samples: {steps_phrase(step, total_steps)}, each of <= {cfg.step_tokens} tokens; "
             f"{world_size} rank(s) on {device.type}, objective {cfg.objective}")
 
+    from_start, trained = position == Position(), set()  # which samples a fixed step count reached
     progress = ProgressBar(cfg.progress and master, total_steps, step)
     epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
     batches = source.batches(cfg.step_tokens, position, epochs)
@@ -169,6 +170,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step, position = step + 1, next_position
+            trained.update(x.sample_id for x in batch)
 
             # --- log, checkpoint
             record = step_metrics(step, position, batch, sums, is_max, grad_norm, lr, time.perf_counter() - t0,
@@ -183,6 +185,9 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
                 checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
     final = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
     if master:
+        if from_start and cfg.steps and len(trained) < n_samples:
+            say(f"{n_samples - len(trained)} of {n_samples} samples were not trained: {cfg.steps} steps of <= "
+                f"{cfg.step_tokens} tokens end before one pass does (steps = 0 trains one pass)")
         say(f"saved {final}")
     if world_size > 1:
         dist.destroy_process_group()

@@ -474,14 +474,15 @@ class RLRun:
         from openforge.reconstruct import reconstruct
 
         r = self.cfg.reconstruct
+        started = time.monotonic()  # the whole stage: the tokenizer's loading and the reward checks too
         with self.console.status("reconstruct: flow files -> samples"):
             summary = reconstruct([self.flow_dir], self.db, self.tokenizer(), run=self.state.run_id,
                                   advantage=r.advantage, group_by=r.group_by, train_roles=r.train_roles,
                                   chat_template=r.chat_template or None,
                                   flow_key=read_secret(self.secrets / "flow.key").encode())
+            self.record_episodes(i)
         self.console.print(f"  reconstruct: {summary.calls} new calls, {summary.samples} samples rebuilt "
-                           f"({summary.seconds:.1f} s)")
-        self.record_episodes(i)
+                           f"({time.monotonic() - started:.1f} s)")
 
     def record_episodes(self, i: int) -> None:
         """The iteration's results into `rl_episodes`; each checked against the reward reconstruct stored
