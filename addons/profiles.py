@@ -5,6 +5,10 @@ entry; SGLang takes both fields (recent versions); a generic OpenAI-compatible s
 (where each puts them in the answer: `openforge.protocols.engine_ids`). On a Responses call forwarded
 untranslated, vLLM takes `enable_response_messages` (ids, no logprobs: docs/engines.md).
 What we add to a request, we remove from the answer, so the toolchain sees the response it asked for.
+
+llama.cpp refuses `logprobs` on a streamed Chat call with tools (400), and its streamed tool-call answer
+leaves out the ids of the tokens its tool-call parser holds back; the whole answer has them all. So such a
+call goes to llama.cpp unstreamed (`unstream`) and the proxy streams the answer to the client (`restream`).
 """
 
 from __future__ import annotations
@@ -55,10 +59,23 @@ def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
         if not body.get("logprobs"):
             body["logprobs"] = True
             injected.append("logprobs")
+            if profile == "llamacpp" and body.get("top_logprobs") is None:
+                body["top_logprobs"] = 1  # llama.cpp's default is 20 alternatives per token; 0 gives no logprobs
+                injected.append("top_logprobs")
     elif body.get("logprobs") is None:
         body["logprobs"] = 1
         injected.append("logprobs")
     return injected
+
+
+def unstream(profile: str, protocol: str, body: dict[str, Any]) -> bool:
+    """Make a streamed llama.cpp Chat body with tools unstreamed, in place (the module's docstring says why);
+    whether it did. The client still gets a stream (`addons/restream.py`)."""
+    if profile != "llamacpp" or protocol != "chat" or body.get("stream") is not True or not body.get("tools"):
+        return False
+    body["stream"] = False
+    body.pop("stream_options", None)
+    return True
 
 
 def strip(obj: Any, injected: list[str]) -> bool:
