@@ -174,12 +174,16 @@ def test_real_cli_completes_a_task_on_the_embedded_engine(
         assert rec["complete"] and rec["error"] is None and rec["response"]["status"] == 200, rec.get("error")
         assert rec["has_token_ids"] and rec["engine_profile"] == "llamacpp"
     summary = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", retok, missing_reward="fill:0")
-    assert summary.calls == len(calls) and summary.calls_engine_ids == summary.calls, summary
+    # llama.cpp returns completion ids, not prompt ids: "mixed" (the prompt rendered by the served template and
+    # tokenized by transformers, whose converted SmolLM2 tokenizer splits "\n\n" before a digit unlike llama.cpp:
+    # a prompt may differ by a few ids, counted as prompt_check mismatch)
+    assert summary.calls == summary.calls_mixed == len(calls), summary
     con = duckdb.connect(str(tmp_path / "db.duckdb"), read_only=True)
     rows = con.execute("SELECT input_ids, loss_mask, token_source FROM samples").fetchall()
     con.close()
-    assert {r[2] for r in rows} == {"engine"}
+    assert {r[2] for r in rows} == {"mixed"}
     segments = [seg for ids, mask, _ in rows for seg in trainable_segments(ids, mask)]
     assert sorted(segments) == sorted(engine_ids(rec) for rec in calls)
     print(f"\n{name} on the embedded engine: exit 0 after {len(calls)} call(s), "
-          f"{sum(map(len, segments))} trainable tokens, all llama.cpp's ids")
+          f"{sum(map(len, segments))} trainable tokens, all llama.cpp's ids; "
+          f"{summary.calls_prompt_mismatch} prompt(s) of another length than llama.cpp's")
