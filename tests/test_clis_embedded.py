@@ -187,3 +187,28 @@ def test_real_cli_completes_a_task_on_the_embedded_engine(
     print(f"\n{name} on the embedded engine: exit 0 after {len(calls)} call(s), "
           f"{sum(map(len, segments))} trainable tokens, all llama.cpp's ids; "
           f"{summary.calls_prompt_mismatch} prompt(s) of another length than llama.cpp's")
+
+
+def test_a_run_in_which_every_episode_failed_names_the_cause(tmp_path: Path) -> None:
+    """Every CLI exited non-zero on the engine's 400: the run says so with what the agent printed (the
+    engine's error answer as the CLI showed it); one episode that finished ok makes it a run like any other."""
+    from openforge.rollout.run_failure import every_episode_failed
+    from openforge.rollout.spec import EpisodeResult
+
+    def result(n: int, status: str) -> EpisodeResult:
+        return EpisodeResult(episode=f"ep{n}", task_id="t", toolchain="codex", attempt=n, status=status, reward=0.0,
+                             reason="agent exited 1 (see agent.stderr)" if status != "ok" else "")
+
+    episode = tmp_path / "ep1"
+    episode.mkdir()
+    (episode / "agent.stdout").write_text('{"type":"thread.started"}\n{"type":"error","message":"unexpected status '
+                                          '400 Bad Request: logprobs is not supported with tools + stream"}\n')
+    (episode / "agent.stderr").write_text("Reading additional input from stdin...\n")
+    failed = [result(1, "agent_failed"), result(2, "agent_failed"), result(3, "timeout")]
+    message = every_episode_failed(failed, tmp_path)
+    assert message is not None and message.startswith("every episode failed (agent_failed 2, timeout 1); ep1: agent")
+    assert message.endswith("logprobs is not supported with tools + stream\"}")
+    assert every_episode_failed([*failed, result(4, "ok")], tmp_path) is None
+    assert every_episode_failed([], tmp_path) is None
+    assert every_episode_failed([result(2, "crashed")], tmp_path) == (
+        "every episode failed (crashed 1); ep2: agent exited 1 (see agent.stderr)")
