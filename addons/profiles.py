@@ -9,6 +9,9 @@ What we add to a request, we remove from the answer, so the toolchain sees the r
 llama.cpp refuses `logprobs` on a streamed Chat call with tools (400), and its streamed tool-call answer
 leaves out the ids of the tokens its tool-call parser holds back; the whole answer has them all. So such a
 call goes to llama.cpp unstreamed (`unstream`) and the proxy streams the answer to the client (`restream`).
+llama.cpp also renders a Chat request in its own normal form (function tools as name, description and
+parameters only; a message's text parts joined by newlines): `normalize` sends it in that form, so the
+recorded request is what the engine rendered and reconstruct renders the same prompt.
 """
 
 from __future__ import annotations
@@ -66,6 +69,39 @@ def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
         body["logprobs"] = 1
         injected.append("logprobs")
     return injected
+
+
+def normalize(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
+    """For llama.cpp, rewrite a Chat body in place as the engine renders it; return the fields rewritten."""
+    if profile != "llamacpp" or protocol != "chat":
+        return []
+    changed: list[str] = []
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        normal = [_llamacpp_tool(t) for t in tools]
+        if normal != tools:
+            body["tools"] = normal
+            changed.append("tools")
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            parts = message.get("content") if isinstance(message, dict) else None
+            if isinstance(parts, list) and parts and all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+                message["content"] = "\n".join(p["text"] for p in parts)
+                if "messages" not in changed:
+                    changed.append("messages")
+    return changed
+
+
+def _llamacpp_tool(tool: Any) -> Any:
+    """A function tool as llama.cpp renders it: `{type, function: {name, description, parameters}}`, the
+    description "" when absent, other fields (`strict`, ...) left out; any other tool unchanged."""
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "parameters" not in fn:
+        return tool
+    return {"type": "function", "function": {"name": fn["name"], "description": fn.get("description") or "",
+                                             "parameters": fn["parameters"]}}
 
 
 def unstream(profile: str, protocol: str, body: dict[str, Any]) -> bool:

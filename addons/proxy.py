@@ -405,6 +405,7 @@ class OpenForge:
                 ex.injected += routes.apply_route(route, body)
             ex.upstream_model = body.get("model") if isinstance(body.get("model"), str) else None
             ex.injected += profiles.inject(ex.engine_profile, engine_protocol, body)
+            ex.injected += profiles.normalize(ex.engine_profile, engine_protocol, body)
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             if profiles.unstream(ex.engine_profile, engine_protocol, body):
                 ex.restream, ex.restream_usage = True, usage
