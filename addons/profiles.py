@@ -96,12 +96,13 @@ def normalize(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
 
 def _llamacpp_tool(tool: Any) -> Any:
     """A function tool as llama.cpp renders it: `{type, function: {name, description, parameters}}`, the
-    description "" when absent, other fields (`strict`, ...) left out; any other tool unchanged."""
+    description "" and the parameters {} when absent, other fields (`strict`, ...) left out; any other tool
+    unchanged."""
     fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "parameters" not in fn:
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         return tool
     return {"type": "function", "function": {"name": fn["name"], "description": fn.get("description") or "",
-                                             "parameters": fn["parameters"]}}
+                                             "parameters": fn.get("parameters", {})}}
 
 
 def unstream(profile: str, protocol: str, body: dict[str, Any]) -> bool:

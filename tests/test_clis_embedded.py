@@ -95,14 +95,17 @@ def test_normalize_writes_a_llamacpp_chat_body_as_the_engine_renders_it() -> Non
     """Codex's tools carry `strict`, Qwen Code's messages text parts: llama.cpp renders neither as sent
     (observed with /apply-template), so a prompt reconstruct renders from the request was another length."""
     tool = {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}, "strict": False}}
+    bare = {"type": "function", "function": {"name": "b", "description": "d"}}
     custom = {"type": "custom", "name": "apply_patch"}
-    body = {"tools": [tool, custom], "messages": [
+    body = {"tools": [tool, bare, custom], "messages": [
         {"role": "system", "content": [{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}]},
         {"role": "user", "content": [{"type": "text", "text": "U"}, {"type": "image_url", "image_url": {}}]},
         {"role": "user", "content": "plain"}]}
     assert profiles.normalize("llamacpp", "chat", body) == ["tools", "messages"]
     assert body["tools"] == [{"type": "function", "function": {"name": "a", "description": "",
-                                                               "parameters": {"type": "object"}}}, custom]
+                                                               "parameters": {"type": "object"}}},
+                             {"type": "function", "function": {"name": "b", "description": "d", "parameters": {}}},
+                             custom]
     assert [m["content"] for m in body["messages"]][::2] == ["S1\nS2", "plain"]
     assert isinstance(body["messages"][1]["content"], list)
     assert profiles.normalize("llamacpp", "chat", body) == []
