@@ -241,3 +241,20 @@ def test_a_run_in_which_every_episode_failed_names_the_cause(tmp_path: Path) -> 
     assert every_episode_failed([], tmp_path) is None
     assert every_episode_failed([result(2, "crashed")], tmp_path) == (
         "every episode failed (crashed 1); ep2: agent exited 1 (see agent.stderr)")
+
+
+@pytest.mark.slow
+def test_each_slot_has_the_whole_context(tmp_path: Path) -> None:
+    """Two calls at once whose prompts fit the context each but not together: the defect was one context
+    shared by the slots (two Codex calls of 5800 prompt tokens: 500 "Context size has been exceeded")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = " ".join(f"word{i}" for i in range(120))  # about 350 tokens with the template
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0}
+    with EmbeddedEngine(n_ctx=512, n_parallel=2, threads=1, log_path=tmp_path / "engine.log") as eng:
+        tokens = httpx.post(f"{eng.url}/tokenize", json={"content": prompt}, timeout=60).json()["tokens"]
+        assert 256 < len(tokens) < 480
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda _: httpx.post(f"{eng.url}/v1/chat/completions", json=body, timeout=300),
+                                    range(2)))
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
