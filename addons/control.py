@@ -1,7 +1,8 @@
 """The proxy's own endpoints, answered here and never forwarded (docs/addon.md, Rewards, Policy version, Pause
 and resume, Status).
 
-`POST /openforge/v1/episodes/<episode>/reward` writes a reward record; `/openforge/v1/policy` reads and sets
+`POST /openforge/v1/episodes/<episode>/reward` writes a reward record; `GET .../<episode>/calls` says how
+the episode's calls were answered; `/openforge/v1/policy` reads and sets
 the policy version stamped on new exchange records; `POST /openforge/v1/pause` and `/resume` hold new LLM
 calls during a weight update and release them; `GET /openforge/v1/status` is a readiness probe. All answer
 plain JSON (`{"ok": ...}` / `{"error": ...}`), not an LLM protocol's shape. None of them is ever held.
@@ -79,8 +80,23 @@ class Control:
             self._policy(flow, s)
         elif path in (wire.PAUSE_PATH, wire.RESUME_PATH):
             self._pause_or_resume(flow, path == wire.PAUSE_PATH, s)
+        elif reward_path(path)[1] == "calls":
+            self._calls(flow, path, s)
         else:
             self._reward(flow, path, s)
+
+    def _calls(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
+        """GET /openforge/v1/episodes/<episode>/calls: how the episode's calls were answered (episode_calls.py),
+        for a reward token or that episode's key."""
+        episode = reward_path(path)[0]
+
+        def make() -> dict[str, Any]:
+            if flow.request.method != "GET":
+                raise Refused(405, "use GET", "method_not_allowed")
+            check_reward_token(flow.request, s, "reading an episode's calls", episode)
+            return self._recorder.episode_calls.answer(episode)
+
+        answer_refusable(flow, "reading an episode's calls", make)
 
     def _reward(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """POST /openforge/v1/episodes/<episode>/reward: recorded here, never forwarded."""

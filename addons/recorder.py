@@ -18,6 +18,7 @@ from mitmproxy import http
 from openforge.protocols.engine_ids import stream_has_token_ids
 
 from . import flowfile, options
+from .episode_calls import EpisodeCalls
 from .exchange import Exchange, ResponseParts
 
 logger = logging.getLogger("openforge")
@@ -44,6 +45,7 @@ class Recorder:
         self.inflight: dict[str, http.HTTPFlow] = {}  # exchange id -> flow
         self.records = 0
         self.write_error: str | None = None
+        self.episode_calls = EpisodeCalls()  # how each episode's calls were answered
         self._seq = itertools.count(1)
         self._id_prefix = secrets.token_hex(12)  # record ids: this + the sequence number (uuid4 costs a syscall)
         self._where: tuple[Any, ...] | None = None  # the writer's (directory, max bytes, fsync interval, key)
@@ -93,6 +95,7 @@ class Recorder:
         self.inflight.pop(ex.id, None)
         problem = self.write_record(record)
         ex.written = problem is None
+        self.episode_calls.add(ex, response if problem is None else None)
         return problem
 
     def write_record(self, record: flowfile.FlowRecord) -> str | None:

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from openforge.rl.config import RLConfig, load_rl_config
-from openforge.rl.loop import RLError, RLRun, results_table
+from openforge.rl.loop import RLError, RLRun, read_lines, results_table
 
 # Written into every demo output: the only directories a later demo replaces without --force.
 MARKER = ".openforge-demo"
@@ -45,6 +45,8 @@ class DemoConfig:
             "loop.iterations": self.iterations, "train.steps": self.train_steps,
             "train.step_tokens": self.step_tokens, "train.row_tokens": min(self.step_tokens, 4096),
             "train.lr": self.lr,
+            # a quarter of the example tasks held out, scored on the first and the last policy (docs/evaluation.md)
+            "eval.split": 0.25, "eval.every": self.iterations, "eval.samples": 2,
         })
 
 
@@ -67,10 +69,12 @@ def prepare(cfg: DemoConfig, console: Console, force: bool = False) -> RLRun:
 
 def summary(run: RLRun, lines: list[dict[str, Any]], console: Console) -> None:
     """Reward per iteration, where everything is, and the commands to go on."""
-    console.print(results_table(lines))
+    console.print(results_table(lines, read_lines(run.eval_path)))
     out = run.out
     files = Table(title="where everything is", show_header=False)
-    for name, what in (("rl.jsonl", "one line per iteration (docs/rl.md)"), ("rl.png", "reward per iteration"),
+    for name, what in (("rl.jsonl", "one line per iteration (docs/rl.md)"),
+                       ("eval.jsonl", "held-out tasks scored on the first and last policy (docs/evaluation.md)"),
+                       ("rl.png", "reward per iteration, and on the held-out tasks"),
                        ("rl.duckdb", "calls, episodes, samples of every iteration (docs/schema.md)"),
                        ("flows/", "what the proxy recorded (docs/flow-format.md)"),
                        ("iterations/", "each iteration's episodes: workspace, agent output, reward"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +35,7 @@ from openforge.processes import (
 )
 
 TEMPLATE_CHOICES = ("chatml-tools", "gguf")
+MIN_CONTEXT = 512  # tokens: below it no prompt of a chat template and its answer fit
 
 
 class EngineError(RuntimeError):
@@ -82,6 +84,18 @@ def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat
     while not stop.wait(0.2):
         pass
     del server  # joins llama.cpp's loop: the port is released before the process exits
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could bind 127.0.0.1:`port` now (SO_REUSEADDR, as servers bind: a port in TIME_WAIT
+    after a restart counts as free)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class EngineProcess:
@@ -134,7 +148,11 @@ class EngineProcess:
 
     def start(self, progress: Progress | None = None, every: float = 15.0) -> Self:
         """Start the child and wait until /health answers 200; `progress(elapsed, last log line)` every
-        `every` seconds meanwhile."""
+        `every` seconds meanwhile. A port another process holds is an EngineError before anything starts:
+        its server would answer the health check, and the caller would take it for this engine."""
+        if not port_free(self.port):
+            raise EngineError(f"port {self.port} on 127.0.0.1 is in use by another process: stop it, or give "
+                              "another port (0 = any free one)")
         self.child = Child(self.command(), name=self.label, log_path=self.log_path, env=self.env())
         report = (lambda t, _: progress(t, self.last_log_line())) if progress else None
         try:

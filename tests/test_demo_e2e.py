@@ -47,6 +47,13 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
         assert line["train"]["engine_gap_mean"] < 0.1  # Q4_1 / f16 in llama.cpp vs fp32 in PyTorch
         assert {"rollout", "reconstruct", "train", "publish"} <= set(line["seconds"])
     assert [x["train_step_range"] for x in lines] == [[1, 1], [2, 2]]
+    # held-out evaluation of the first and the last policy, on tasks never trained on
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [x["policy_version"] for x in evals] == [0, 2], evals
+    for e in evals:
+        assert e["sampled"]["episodes"] == 4 and e["greedy"]["episodes"] == 2, e
+    held = {json.loads(p.read_text())["task_id"] for p in (out / "eval").rglob("result.json")}
+    assert held == {"sub-1", "sub-2"} and not held & set(lines[0]["tasks"]), held
     assert (out / "rl.png").stat().st_size > 10_000
     assert lines[-1]["served"] == str(out / "gguf" / "policy-0002.gguf")
     assert (out / "gguf" / "policy-0002.gguf").stat().st_size > 200_000_000

@@ -96,6 +96,8 @@ def test_readme_commands_agree_with_each_other_and_with_the_cli() -> None:
     upstream = urlsplit(proxy["--upstream"])
     assert (upstream.hostname, upstream.port) == ("127.0.0.1", engine_port)
     assert proxy.get("--host", "127.0.0.1") == "127.0.0.1"
+    # with tokens: without them any local process could call through the proxy and post rewards
+    assert proxy.get("--client-tokens-file") and proxy.get("--reward-tokens-file"), proxy
     # every URL: on 127.0.0.1, the proxy's own endpoints and episode paths on the proxy's port
     for url in re.findall(r"https?://[^\s'\"`)]+", "\n".join(BLOCKS[1:]) + README.split("## Documentation")[0]):
         parts = urlsplit(url)

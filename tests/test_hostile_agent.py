@@ -146,9 +146,10 @@ def test_hostile_agent_under_rl_changes_no_reward(tmp_path: Path, monkeypatch: p
     check_attacks(out / "iterations" / "000" / "rollout" / "episodes")
     assert not list(out.rglob("hostile.txt")), list(out.rglob("hostile.txt"))  # nothing written outside its workspace
     results = [json.loads(p.read_text()) for p in out.glob("iterations/000/rollout/episodes/*/result.json")]
-    verifier = {r["episode"]: r["reward"] for r in results}
     assert all(r["reward"] == 0.0 for r in results if "hostile" in r["toolchain"]), results
-    assert db_rewards(out / "rl.duckdb", "rl_episodes").items() <= verifier.items()
+    assert db_rewards(out / "rl.duckdb", "rl_episodes").items() <= {r["episode"]: r["reward"] for r in results}.items()
+    # what each episode posted: its verifier's reward, or 0.0 for an agent failure (on_failure zero)
+    verifier = {r["episode"]: r["reward"] if r["reward"] is not None else 0.0 for r in results if r["reward_posted"]}
     stored = db_rewards(out / "rl.duckdb")
     assert stored and stored.items() <= verifier.items(), (stored, verifier)
     line = json.loads((out / "rl.jsonl").read_text().splitlines()[-1])

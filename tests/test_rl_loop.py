@@ -63,6 +63,14 @@ def test_config_defaults_file_sets_and_flags_in_that_order(tmp_path: Path) -> No
     ("", {"train.lr": "-1"}, "lr must be finite and > 0"),
     ("", {"train.warp": "9"}, "unknown config key(s): warp"),
     ("", {"iterations": "2"}, "--set expects section.key=value"),
+    ("", {"proxy.temperature": "-1"}, "proxy.temperature must be >= 0 (0 = greedy), not -1"),
+    ("", {"proxy.temperature": "nan"}, "proxy.temperature must be >= 0"),
+    ("", {"proxy.top_p": "7"}, "proxy.top_p must be in (0, 1], not 7"),
+    ("", {"proxy.top_p": "0"}, "proxy.top_p must be in (0, 1]"),
+    ("", {"proxy.min_p": "1.5"}, "proxy.min_p must be in [0, 1]"),
+    ("", {"proxy.pause_timeout": "inf"}, "proxy.pause_timeout must be > 0 seconds"),
+    ("", {"engine.max_model_len": "5"}, "engine.max_model_len must be >= 512 tokens, not 5"),
+    ("", {"rollout.pass_threshold": "nan"}, "rollout.pass_threshold must be a finite number"),
     ("[loop\n", {}, "cannot read config"),
 ])
 def test_config_errors_name_the_setting(tmp_path: Path, text: str, sets: dict[str, str], message: str) -> None:
@@ -142,7 +150,7 @@ def test_resume_runs_each_stage_of_each_iteration_once(tmp_path: Path, stop_at: 
     lines = [json.loads(x) for x in (tmp_path / "run" / "rl.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [0, 1, 2]
     state = json.loads((tmp_path / "run" / "state.json").read_text())
-    assert (state["iteration"], state["stage"], state["version"], state["resumes"]) == (3, "rollout", 3, 1)
+    assert (state["iteration"], state["stage"], state["version"], state["resumes"]) == (3, "eval", 3, 1)
 
 
 def test_an_interruption_after_the_line_was_written_does_not_write_it_twice(tmp_path: Path) -> None:
@@ -152,7 +160,7 @@ def test_an_interruption_after_the_line_was_written_does_not_write_it_twice(tmp_
     (tmp_path / "run" / "state.json").write_text(json.dumps(state | {"iteration": 2, "stage": "record"}))
     Scripted(tmp_path / "run", log, resume=True).run()  # killed between the line and the state's save
     lines = [json.loads(x) for x in (tmp_path / "run" / "rl.jsonl").read_text().splitlines()]
-    assert [x["iteration"] for x in lines] == [0, 1, 2] and len(log) == 12
+    assert [x["iteration"] for x in lines] == [0, 1, 2] and len(log) == 15
 
 
 def test_a_finished_run_resumes_for_more_iterations_and_a_used_directory_is_refused(tmp_path: Path) -> None:
@@ -163,7 +171,49 @@ def test_a_finished_run_resumes_for_more_iterations_and_a_used_directory_is_refu
     more = Scripted(tmp_path / "run", log, resume=True)
     more.cfg.loop.iterations = 4
     more.run()
-    assert log[-4:] == [(3, stage) for stage in STAGES[:-1]]
+    assert log[-5:] == [(3, stage) for stage in STAGES[:-1]]
+
+
+# --- one run per directory ---------------------------------------------------------------------------------
+
+def test_a_second_run_in_a_directory_in_use_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    first = Scripted(tmp_path / "run", [])
+    with pytest.raises(RLError, match=rf"in use by another `openforge rl` \(pid {os.getpid()} on "):
+        Scripted(tmp_path / "run", [], resume=True)
+    first.run()  # releases it at the end
+    Scripted(tmp_path / "run", [], resume=True).run()
+
+
+def test_two_runs_started_in_a_new_directory_at_once_do_not_both_run(tmp_path: Path) -> None:
+    from openforge.rl.lock import RunLock
+
+    second = Scripted(tmp_path / "run", [])  # the directory does not exist yet: nothing to lock at set-up
+    first = RunLock(tmp_path / "run")
+    first.acquire()
+    with pytest.raises(RLError, match="in use by another"):
+        second.run()
+    assert not (tmp_path / "run" / "rl.jsonl").exists()
+    first.release()
+
+
+def test_the_lock_goes_with_its_holder_even_killed(tmp_path: Path) -> None:
+    code = ("import pathlib, time; from openforge.rl.lock import RunLock; "
+            f"lock = RunLock(pathlib.Path({str(tmp_path / 'run')!r})); lock.acquire(); "
+            "print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        cli = subprocess.run([sys.executable, "-m", "openforge.cli", "rl", "--out", str(tmp_path / "run")],
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+                             capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 2 and f"pid {holder.pid} on" in cli.stderr + cli.stdout, cli
+        assert "Traceback" not in cli.stderr and "engine" not in cli.stdout, cli
+    finally:
+        holder.kill()
+        holder.wait()
+    Scripted(tmp_path / "run", []).run()  # kill -9 released it: no stale lock
 
 
 def children(pid: int) -> set[int]:
@@ -226,3 +276,29 @@ def test_ctrl_c_mid_rollout_stops_everything_and_resume_counts_each_episode_once
     assert steps == [1, 2]  # one step per iteration, the optimizer state carried on
     assert [p.name for p in (out / "train" / "checkpoints").iterdir()] == ["step_000002"]
     assert [p.name for p in (out / "gguf").iterdir()] == ["policy-0002.gguf"]
+
+
+# --- the trainer's output in the loop ------------------------------------------------------------------------
+
+def test_the_step_message_says_which_steps_run() -> None:
+    from openforge.trainer.train import steps_phrase
+
+    assert steps_phrase(0, 4) == "steps 1-4 of this run"
+    assert steps_phrase(1, 5) == "steps 2-5 of this run (after step 1)"
+    assert steps_phrase(4, 5) == "step 5 of this run (after step 4)"
+    assert steps_phrase(5, 5) == "no step to run (the checkpoint is at step 5 of 5)"
+
+
+def test_the_progress_bar_shows_wall_time_throughput_and_time_left() -> None:
+    from openforge.trainer.train import ProgressBar
+
+    now = [0.0]
+    out = io.StringIO()
+    bar = ProgressBar(True, 5, 1, clock=lambda: now[0], console=Console(file=out, width=200))
+    with bar:
+        for t in (600.0, 1200.0):  # two steps of 10 minutes, 6000 tokens each
+            now[0] = t
+            bar.advance({"tokens": 6000, "loss": 0.5})
+    text = out.getvalue()
+    assert "3/5" in text and "0:20:00" in text, text  # the real elapsed time
+    assert "10 tok/s" in text and "~0:20:00 left" in text, text  # 12000 tokens / 1200 s; 2 steps at 600 s

@@ -183,6 +183,13 @@ def fake_proxy() -> tuple[ThreadingHTTPServer, list[tuple[str, str]]]:
             self.end_headers()
             self.wfile.write(b"{}")
 
+        def do_GET(self) -> None:  # the readiness probe before the rollout; no count of an episode's calls
+            found = self.path == "/openforge/v1/status"
+            self.send_response(200 if found else 404)
+            self.send_header("content-length", "12")
+            self.end_headers()
+            self.wfile.write(b'{"ok": true}' if found else b'{"error": 0}')
+
         def log_message(self, *args: Any) -> None:
             pass
 

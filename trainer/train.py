@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,14 +63,35 @@ def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logi
     return policy_logprobs(model, row, chunk)[0]
 
 
+def steps_phrase(done: int, total: int) -> str:
+    """What this run trains, by the step numbers of metrics.jsonl and the checkpoints: 'steps 3-5 of this
+    run (after step 2)'."""
+    if done >= total:
+        return f"no step to run (the checkpoint is at step {done} of {total})"
+    after = f" (after step {done})" if done else ""
+    return f"step {total} of this run{after}" if total - done == 1 else f"steps {done + 1}-{total} of this run{after}"
+
+
+def silence_loading_bars() -> None:
+    """transformers' and huggingface_hub's per-load progress bars ('Loading weights ... 272/272'): noise
+    between the trainer's own lines."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
 def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print,
-          new_selection: bool = False) -> Path:
-    """Train on the selected samples; returns the final checkpoint directory.
+          new_selection: bool = False, on_step: Callable[[dict[str, float]], None] | None = None) -> Path:
+    """Train on the selected samples; returns the final checkpoint directory. `on_step` gets each step's
+    metrics.jsonl record (rank 0): the RL loop's experiment trackers.
 
     `new_selection` (with `resume`): the selection is not the one the restored checkpoint trained on (the RL
     loop's next iteration), so it starts at its beginning and `steps` (or one pass) count from the restored
     step; the optimizer state carries over."""
     return_freed_memory()
+    silence_loading_bars()
     # --- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain run is rank 0 of 1
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -114,8 +136,8 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     if master:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         keep_metrics_until(metrics_path, step)
-        say(f"{n_samples} samples, {total_steps} steps of <= {cfg.step_tokens} tokens, {world_size} rank(s) "
-            f"on {device.type}, objective {cfg.objective}, starting at step {step}")
+        say(f"{n_samples} samples: {steps_phrase(step, total_steps)}, each of <= {cfg.step_tokens} tokens; "
+            f"{world_size} rank(s) on {device.type}, objective {cfg.objective}")
 
     progress = ProgressBar(cfg.progress and master, total_steps, step)
     epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
@@ -155,6 +177,8 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                 progress.advance(record)
+                if on_step is not None:
+                    on_step(record)
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
                 checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
     final = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
@@ -248,14 +272,19 @@ def keep_metrics_until(path: Path, step: int) -> None:
 
 
 class ProgressBar:
-    """A rich progress bar with the last loss, or nothing (other ranks, --no-progress)."""
+    """A rich progress bar, or nothing (other ranks, --no-progress): steps done, the wall time since it
+    started, the last loss, tok/s over the whole run so far (the real throughput, data loading included)
+    and the time left at that pace. `clock`: seconds, monotonic (a test's own)."""
 
-    def __init__(self, enabled: bool, total: int, done: int) -> None:
+    def __init__(self, enabled: bool, total: int, done: int, clock: Callable[[], float] = time.monotonic,
+                 console: Any = None) -> None:
         self.bar = None
+        self.clock, self.total, self.done = clock, total, done
+        self.started, self.steps, self.tokens = clock(), 0, 0
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                TextColumn("{task.fields[info]}"))
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                TextColumn("{task.fields[info]}"), get_time=clock, console=console)
             self.task = self.bar.add_task("train", total=total, completed=done, info="")
 
     def __enter__(self) -> ProgressBar:
@@ -268,6 +297,17 @@ class ProgressBar:
             self.bar.stop()
 
     def advance(self, record: dict) -> None:
+        self.steps += 1
+        self.tokens += int(record["tokens"])
         if self.bar:
-            info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
-            self.bar.update(self.task, advance=1, info=info)
+            self.bar.update(self.task, advance=1, info=self.info(record["loss"]))
+
+    def info(self, loss: float) -> str:
+        elapsed = max(self.clock() - self.started, 1e-9)
+        left = (self.total - self.done - self.steps) * elapsed / self.steps
+        return f"loss {loss:.4f}  {self.tokens / elapsed:.0f} tok/s  ~{_clock(left)} left"
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

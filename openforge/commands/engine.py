@@ -69,6 +69,7 @@ def engine(
 
     if context.invoked_subcommand is not None:
         return
+    _check_settings(port, ctx, parallel, threads)
     if backend is not Backend.vllm and (model is not None or dev_mode):
         fail("--model and --dev-mode are for --backend vllm", hint="llama.cpp serves a GGUF (--gguf) and "
              "reloads nothing in place")
@@ -161,6 +162,18 @@ def _no_reload(url: str, weights: Path, key: str) -> NoReturn:
          f"only): restart it with the new weights: {restart}",
          hint="--dev-mode makes the next checkpoint a reload in place; its endpoints take no key, so never let "
          "a network reach that port", code=FAILED)
+
+
+def _check_settings(port: int, ctx: int, parallel: int, threads: int) -> None:
+    """Out-of-range settings are one error line before anything loads."""
+    from openforge.engine import MIN_CONTEXT
+
+    if not 0 <= port <= 65535:
+        fail(f"--port must be 0..65535, not {port}")
+    if ctx < MIN_CONTEXT:
+        fail(f"--ctx must be >= {MIN_CONTEXT} tokens, not {ctx}")
+    if parallel < 1 or threads < 1:
+        fail(f"--parallel and --threads must be >= 1, not {parallel} and {threads}")
 
 
 def _check_key_file(path: Path) -> str:

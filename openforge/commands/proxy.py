@@ -50,6 +50,14 @@ def proxy(
     flow_key_file: Path | None = typer.Option(None, "--flow-key-file", help="File holding the flow key (at least 32 "
                                               "characters): the proxy signs every record with it, and "
                                               "`openforge reconstruct --flow-key-file` uses only what it signed."),
+    client_tokens_file: Path | None = typer.Option(
+        None, "--client-tokens-file", help="File of client tokens (one a line): every request must carry one as "
+                                           "its API key. Without it (or $OPENFORGE_CLIENT_TOKENS) anyone who "
+                                           "reaches the port may call."),
+    reward_tokens_file: Path | None = typer.Option(
+        None, "--reward-tokens-file", help="File of reward tokens (one a line): posting a reward needs one. "
+                                           "Without it (or $OPENFORGE_REWARD_TOKENS) any local process may post "
+                                           "rewards."),
     flow_dir: Path = typer.Option(Path("flows"), "--flow-dir", envvar="OPENFORGE_FLOW_DIR",
                                   help="Where flow files go."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for a sidecar)."),
@@ -72,7 +80,8 @@ def proxy(
     if key and key_file:
         fail("both --key (or $OPENFORGE_UPSTREAM_KEY) and --key-file are given: give one")
     sets = ["connection_strategy=lazy", f"openforge_upstream_url={upstream}", f"openforge_flow_dir={flow_dir}"]
-    for name, path in (("upstream_key_file", key_file), ("flow_key_file", flow_key_file)):
+    for name, path in (("upstream_key_file", key_file), ("flow_key_file", flow_key_file),
+                       ("client_tokens_file", client_tokens_file), ("reward_tokens_file", reward_tokens_file)):
         if path is not None:
             sets.append(f"openforge_{name}={path.resolve()}")
     for name, value in (("engine_profile", profile.value if profile else None), ("models", models),

@@ -78,6 +78,12 @@ def rl(
     no_sandbox: bool = typer.Option(False, "--no-sandbox", help="rollout.sandbox = none: agents run as plain "
                                                                 "processes of your user (prints what is then not "
                                                                 "protected; docs/rollouts.md, Sandbox)."),
+    eval_tasks: Path | None = typer.Option(None, "--eval-tasks", help="eval.tasks: held-out tasks evaluated every "
+                                           "eval.every policy versions, n samples and greedy (docs/evaluation.md); "
+                                           "or --set eval.split=0.2 to hold out a share of --tasks."),
+    tracker: list[str] = typer.Option([], "--tracker", help="tracking.trackers: tensorboard, wandb (offline) or "
+                                      "mlflow (local files), under DIR/tracking/; repeat for several "
+                                      "(docs/tracking.md)."),
     sets: list[str] = typer.Option([], "--set", help="Any field as section.key=value, e.g. --set proxy.max_tokens=256 "
                                                      "--set train.kl_coef=0.01; repeat for several."),
 ) -> None:
@@ -89,7 +95,7 @@ def rl(
     Ctrl-C stops every episode, the engine and the proxy; `--resume` continues."""
     from rich.console import Console
 
-    from openforge.rl.loop import RLError, RLRun, load, results_table
+    from openforge.rl.loop import RLError, RLRun, load, read_lines, results_table
     from openforge.rollout.sandbox import NOT_PROTECTED, unavailable
     from openforge.trainer.config import ConfigError, parse_sets
 
@@ -98,13 +104,15 @@ def rl(
         "rollout.tasks": str(tasks) if tasks else None, "rollout.toolchains": toolchain or None,
         "rollout.attempts": attempts, "rollout.concurrency": concurrency, "train.steps": steps, "train.lr": lr,
         "loop.window": window, "rollout.sandbox": "none" if no_sandbox else None,
+        "eval.tasks": str(eval_tasks) if eval_tasks else None, "tracking.trackers": tracker or None,
     }
     console = Console()
     try:
         cfg = load(config, parse_sets(sets) | {k: v for k, v in named.items() if v is not None},
                    out, resume)
-        if tasks is not None and not tasks.is_file():
-            raise ConfigError(f"--tasks: no such file {tasks}")
+        for flag, path in (("--tasks", tasks), ("--eval-tasks", eval_tasks)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{flag}: no such file {path}")
         if why := unavailable(cfg.rollout.sandbox):  # before the engine starts, not at the first rollout
             raise ConfigError(f"rollout.sandbox = {cfg.rollout.sandbox}: {why}")
         run = RLRun(cfg, out, console, resume=resume)
@@ -113,6 +121,7 @@ def rl(
     if cfg.rollout.sandbox == "none":
         print(NOT_PROTECTED.replace("--no-sandbox", "rollout.sandbox = none"), file=sys.stderr)
     lines = run_loop(run, console)
-    console.print(results_table(lines))
-    console.print(f"rl.jsonl: {out / 'rl.jsonl'}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
+    console.print(results_table(lines, read_lines(run.eval_path)))
+    evaluated = f", evaluations: {run.eval_path}" if run.eval_path.is_file() else ""
+    console.print(f"rl.jsonl: {out / 'rl.jsonl'}{evaluated}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
                   f"served now: {run.state.served or run.start_weights}")

@@ -13,13 +13,6 @@ import typer
 from openforge.commands import fail
 
 
-class OnFailure(StrEnum):
-    """openforge.rollout.runner.ON_FAILURE."""
-
-    zero = "zero"
-    drop = "drop"
-
-
 class Backend(StrEnum):
     """openforge.rollout.runner.BACKENDS."""
 
@@ -41,8 +34,8 @@ def summary_table(title: str, groups: dict[str, dict[str, Any]], attempts: int) 
     table = Table(title=title)
     for col in ("", "episodes", "mean reward", f"pass@{attempts}", f"pass^{attempts}", "failures", "mean time"):
         table.add_column(col, justify="left" if col in ("", "failures") else "right")
-    for name, s in groups.items():
-        failures = ", ".join(f"{k} {v}" for k, v in s["failures"].items()) or "-"
+    for name, s in groups.items():  # failures by class (docs/rollouts.md, Failure classes)
+        failures = ", ".join(f"{k} {v}" for k, v in s.get("failure_classes", s["failures"]).items()) or "-"
         mean = "-" if s["mean_reward"] is None else f"{s['mean_reward']:.3f}"
         time = "-" if s["mean_seconds"] is None else f"{s['mean_seconds']:.1f} s"
         table.add_row(name, str(s["episodes"]), mean, _pct(s["pass_at_k"]), _pct(s["pass_all_k"]), failures, time)
@@ -60,9 +53,10 @@ def rollout(
     concurrency: int = typer.Option(1, help="Episodes running at once."),
     proxy: str = typer.Option(..., help="The running OpenForge proxy's base URL, e.g. http://127.0.0.1:8080."),
     out: Path = typer.Option(..., help="Directory for episodes (workspace, logs, result.json) and summary.json."),
-    on_failure: OnFailure = typer.Option(
-        OnFailure.zero, help="A failed, crashed or timed-out episode: 'zero' posts reward 0.0, 'drop' posts none "
-                             "(reconstruct's --missing-reward decides then)."),
+    on_failure: list[str] = typer.Option(
+        [], help="A failed episode's reward per failure class (agent, timeout, verifier, engine, infra): 'zero' "
+                 "posts 0.0, 'drop' posts none. CLASS=POLICY (repeat, or comma-separated), or one policy for all; "
+                 "default agent=zero, the rest drop (docs/rollouts.md, Failure classes)."),
     fresh_verify_copy: bool = typer.Option(False, "--fresh-verify-copy",
                                            help="Kept for old scripts: the verifier always runs in a fresh copy of "
                                                 "the workspace now."),
@@ -90,11 +84,12 @@ def rollout(
     from openforge.rollout import k8s
     from openforge.rollout.episode import hide_environment
     from openforge.rollout.run_failure import every_episode_failed
-    from openforge.rollout.runner import RolloutError, execute, prepare
+    from openforge.rollout.runner import RolloutError, check_proxy, execute, prepare
     from openforge.rollout.sandbox import NOT_PROTECTED
     from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult
 
-    options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency, on_failure=on_failure.value,
+    options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency,
+                                   on_failure=",".join(on_failure) or "default",
                                    pass_threshold=pass_threshold, backend=backend.value,
                                    sandbox="none" if no_sandbox else "bwrap")
     if backend is not Backend.k8s and (k8s_config or dry_run):
@@ -110,6 +105,8 @@ def rollout(
             print(f"wrote {len(written)} manifest files for {len(specs)} episodes to {dry_run} (run {run_id}); "
                   f"nothing was started")
             return
+        if backend is Backend.local:
+            check_proxy(proxy)
     except (RolloutError, k8s.K8sOptionsError) as e:
         fail(str(e))
     hide_environment()  # this process holds the reward token

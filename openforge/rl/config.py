@@ -5,11 +5,15 @@ the four the loop sets itself (db, model, out, where); its `steps` are per itera
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from openforge.engine import MIN_CONTEXT
+from openforge.rollout.failures import DEFAULT_POLICY, policies
+from openforge.tracking import TRACKERS
 from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config
 
 ENGINES = ("llamacpp", "vllm")
@@ -45,7 +49,8 @@ class RolloutSettings:
     toolchains: list[str] = field(default_factory=lambda: ["tool-agent"])
     attempts: int = 4             # per task and toolchain: the GRPO group
     concurrency: int = 2          # episodes at once
-    on_failure: str = "zero"      # zero | drop (docs/rollouts.md)
+    # per failure class, zero | drop; a single value sets every class (docs/rollouts.md, Failure classes)
+    on_failure: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     pass_threshold: float = 1.0
     fresh_verify_copy: bool = False  # kept for old rl.toml files: the verifier always runs in a fresh copy now
     sandbox: str = "bwrap"        # bwrap | uid | none: how agents are confined (docs/rollouts.md, Sandbox)
@@ -67,6 +72,28 @@ class LoopSettings:
     keep_checkpoints: int = 1     # trainer checkpoints kept (1.6 GB each for SmolLM2-135M with AdamW state)
 
 
+@dataclass
+class EvalSettings:
+    # docs/evaluation.md: held-out tasks, never trained on (their calls go through a proxy of their own)
+    tasks: str = ""               # task file of evaluation tasks (none of their ids among the training tasks)
+    split: float = 0.0            # or: this share of rollout.tasks held out (by task id hash), 0 = none
+    max_tasks: int = 0            # > 0: only the first N evaluation tasks
+    every: int = 1                # evaluate policy versions 0, N, 2N, ... and always the last one
+    samples: int = 4              # per task, at the policy's sampling (proxy.*): n of pass@k
+    k: list[int] = field(default_factory=lambda: [1, 2])  # pass@k reported, each k <= samples
+    greedy: bool = True           # also one attempt per task at temperature 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tasks) or self.split > 0
+
+
+@dataclass
+class TrackingSettings:
+    trackers: list[str] = field(default_factory=list)  # tensorboard, wandb, mlflow (docs/tracking.md)
+    project: str = "openforge"    # W&B project, MLflow experiment
+
+
 # The trainer's defaults the loop changes: a constant learning rate (a cosine schedule would restart every
 # iteration) and a few steps per iteration.
 TRAIN_DEFAULTS: dict[str, Any] = {"steps": 2, "lr": 1e-5, "min_lr_ratio": 1.0, "step_tokens": 4096,
@@ -80,23 +107,30 @@ class RLConfig:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     reconstruct: ReconstructSettings = field(default_factory=ReconstructSettings)
     loop: LoopSettings = field(default_factory=LoopSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
     train: dict[str, Any] = field(default_factory=lambda: dict(TRAIN_DEFAULTS))
 
     def validate(self) -> RLConfig:
         from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
-        from openforge.rollout.runner import ON_FAILURE
         from openforge.rollout.sandbox import MODES
 
+        p = self.proxy
         checks = [
             (self.engine.backend in ENGINES, f"engine.backend must be {' or '.join(ENGINES)}"),
             (self.engine.threads >= 1 and self.engine.parallel >= 1, "engine.threads and engine.parallel must be >= 1"),
-            (self.proxy.pause_timeout > 0, "proxy.pause_timeout must be > 0"),
-            (self.proxy.max_tokens >= 0 and self.proxy.top_k >= 0, "proxy.max_tokens and proxy.top_k must be >= 0"),
+            (self.engine.max_model_len >= MIN_CONTEXT,
+             f"engine.max_model_len must be >= {MIN_CONTEXT} tokens, not {self.engine.max_model_len}"),
+            (0 <= p.temperature < math.inf, f"proxy.temperature must be >= 0 (0 = greedy), not {p.temperature:g}"),
+            (0 < p.top_p <= 1, f"proxy.top_p must be in (0, 1], not {p.top_p:g}"),
+            (0 <= p.min_p <= 1, f"proxy.min_p must be in [0, 1], not {p.min_p:g}"),
+            (0 < p.pause_timeout < math.inf, f"proxy.pause_timeout must be > 0 seconds, not {p.pause_timeout:g}"),
+            (p.max_tokens >= 0 and p.top_k >= 0, "proxy.max_tokens and proxy.top_k must be >= 0"),
+            (math.isfinite(self.rollout.pass_threshold), "rollout.pass_threshold must be a finite number"),
             (self.rollout.attempts >= 1 and self.rollout.concurrency >= 1,
              "rollout.attempts and rollout.concurrency must be >= 1"),
             (self.rollout.max_tasks >= 0, "rollout.max_tasks must be >= 0 (0 = all)"),
             (bool(self.rollout.toolchains), "rollout.toolchains needs at least one toolchain"),
-            (self.rollout.on_failure in ON_FAILURE, f"rollout.on_failure must be {' or '.join(ON_FAILURE)}"),
             (self.rollout.sandbox in MODES, f"rollout.sandbox must be one of {', '.join(MODES)}"),
             (self.reconstruct.advantage in ADVANTAGES, f"reconstruct.advantage must be one of {', '.join(ADVANTAGES)}"),
             (self.reconstruct.group_by in GROUPINGS, f"reconstruct.group_by must be one of {', '.join(GROUPINGS)}"),
@@ -104,6 +138,14 @@ class RLConfig:
             (self.loop.iterations >= 1, "loop.iterations must be >= 1"),
             (self.loop.window >= 1, "loop.window must be >= 1"),
             (self.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),
+            (not (self.eval.tasks and self.eval.split), "eval.tasks and eval.split: give one of them"),
+            (0 <= self.eval.split < 1, f"eval.split must be in [0, 1), not {self.eval.split:g}"),
+            (self.eval.every >= 1 and self.eval.samples >= 1 and self.eval.max_tasks >= 0,
+             "eval.every and eval.samples must be >= 1, eval.max_tasks >= 0"),
+            (bool(self.eval.k) and all(1 <= k <= self.eval.samples for k in self.eval.k),
+             f"eval.k must be 1..eval.samples ({self.eval.samples}) each, not {self.eval.k}"),
+            (not set(self.tracking.trackers) - set(TRACKERS),
+             f"tracking.trackers: each one of {', '.join(TRACKERS)}, not {self.tracking.trackers}"),
             (not set(self.train) & set(LOOP_SET), f"[train] may not set {', '.join(LOOP_SET)}: the loop sets them"),
         ]
         for ok, message in checks:
@@ -138,18 +180,29 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _section_value(section: str, key: str, value: Any, default: Any) -> Any:
-    """A TOML value or a `--set` string as the field's type (lists: TOML arrays or comma-separated)."""
+    """A TOML value or a `--set` string as the field's type (lists: TOML arrays or comma-separated, of the
+    default's element type: strings, or integers for eval.k)."""
     name = f"{section}.{key}"
+    if name == "rollout.on_failure":
+        try:
+            return policies(value)
+        except ValueError as e:
+            raise ConfigError(f"{name}: {e}") from None
     if isinstance(default, list):
-        if isinstance(value, str):
-            return [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-        raise ConfigError(f"{name}: expected a list of strings, got {value!r}")
+        kind = int if name == "eval.k" else str
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        try:
+            if isinstance(items, list) and all(isinstance(v, (str, kind)) and not isinstance(v, bool) for v in items):
+                return [kind(v) for v in items]
+        except ValueError:
+            pass
+        raise ConfigError(f"{name}: expected a list of {'integers' if kind is int else 'strings'}, got {value!r}")
     return coerce(name, value, default)
 
 
@@ -172,8 +225,8 @@ def load_rl_config(path: str | Path | None = None, sets: dict[str, Any] | None =
     cfg = RLConfig()
     unknown = sorted(set(data) - {f.name for f in fields(RLConfig)})
     if unknown:
-        raise ConfigError(f"unknown section(s) {', '.join(unknown)}; known: engine, proxy, rollout, reconstruct, "
-                          "loop, train")
+        raise ConfigError(f"unknown section(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(f.name for f in fields(RLConfig))}")
     for section, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{section} must be a [{section}] table of settings, not {table!r}")

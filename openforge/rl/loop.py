@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import time
+import tomllib
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from openforge.engine import EngineError
 from openforge.processes import non_dumpable, read_secret, write_secret
 from openforge.rl.config import RLConfig, load_rl_config
+from openforge.rl.evaluation import score, split_tasks
+from openforge.rl.lock import RunLock, RunLocked
 from openforge.rl.services import (
     CheckpointInvalid,
     ControlAPI,
@@ -57,10 +60,12 @@ from openforge.rl.services import (
     proxy_routes,
 )
 from openforge.rl.services import publish as publish_weights
+from openforge.rollout.failures import reward_due
 from openforge.rollout.run_failure import every_episode_failed
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
+from openforge.tracking import TrackerError, Trackers
 
-STAGES = ("rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
+STAGES = ("eval", "rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
 STATE_VERSION = 1
 METRIC_MEANS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "is_ratio_mean", "is_truncated_frac",
                 "grad_norm", "engine_gap_mean", "engine_logprob_share", "tokens_per_s")
@@ -70,6 +75,8 @@ RL_EPISODES = """CREATE TABLE IF NOT EXISTS rl_episodes (
 RL_MISMATCHES = """CREATE TABLE IF NOT EXISTS rl_reward_mismatches (
     iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, result_reward DOUBLE, db_reward DOUBLE)"""
 REWARD_TOLERANCE = 1e-9
+UNTRACKED = ("iteration", "policy_version", "run_id", "tasks", "train_step_range", "checkpoint", "served", "eval",
+             "attempts")  # rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
 
 
 class RLError(RuntimeError):
@@ -83,7 +90,7 @@ class State:
 
     run_id: str
     iteration: int = 0
-    stage: str = "rollout"
+    stage: str = STAGES[0]
     version: int = 0
     served: str = ""
     resumes: int = 0
@@ -127,6 +134,23 @@ class RLRun:
     def __init__(self, cfg: RLConfig, out: Path, console: Console | None = None, resume: bool = False) -> None:
         self.cfg, self.out = cfg, Path(out)
         self.console = console or Console()
+        self.lock = RunLock(self.out)  # held until run() ends: one run per directory
+        if self.out.is_dir():
+            self.take_lock()  # before anything else: the message names the run that holds it
+        try:
+            self._set_up(resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def take_lock(self) -> None:
+        if self.lock.file is None:
+            try:
+                self.lock.acquire()
+            except RunLocked as e:
+                raise RLError(str(e)) from None
+
+    def _set_up(self, resume: bool) -> None:
         self.state_path = self.out / "state.json"
         if resume:
             self.state = State.read(self.state_path)
@@ -140,29 +164,41 @@ class RLRun:
         self.secrets = self.out / "secrets"
         self.client_token, self.reward_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
         self._restarted_in = -1  # the iteration in which the engine was last restarted
-        self.tasks = self._check_rollout()
+        self.tasks, self.eval_tasks = self._check_rollout()
+        self.secret_files: dict[str, Path] = {}
+        self.trackers: Trackers | None = None
         self.policy: Policy | None = None
         self.proxy: ProxyProcess | None = None
         self.control: ControlAPI | None = None
         self._resolve_models()
 
     # -- set-up ----------------------------------------------------------------------------------------------
-    def _check_rollout(self) -> list[Task]:
-        """The task list, with every task and toolchain checked before anything starts."""
+    def _check_rollout(self) -> tuple[list[Task], list[Task]]:
+        """(training tasks, evaluation tasks), every task and toolchain checked before anything starts; the
+        evaluation tasks are held out: none of their ids is a training task's."""
         from openforge.examples.tasks import rollout_tasks
         from openforge.rollout.runner import RolloutError, prepare
         from openforge.rollout.tasks import TaskFileError, read_tasks
 
-        r = self.cfg.rollout
+        r, e = self.cfg.rollout, self.cfg.eval
         try:
             tasks = read_tasks(r.tasks) if r.tasks else rollout_tasks()
+            held: list[Task] = read_tasks(e.tasks) if e.tasks else []
+            if e.split:
+                tasks, held = split_tasks(tasks, e.split)
             tasks = tasks[: r.max_tasks] if r.max_tasks else tasks
-            prepare(tasks, r.toolchains, proxy="http://127.0.0.1:1", out=self.out, attempts=r.attempts,
-                    concurrency=r.concurrency, on_failure=r.on_failure, pass_threshold=r.pass_threshold,
-                    sandbox=r.sandbox)
-        except (TaskFileError, RolloutError) as e:
-            raise RLError(str(e)) from None
-        return tasks
+            held = held[: e.max_tasks] if e.max_tasks else held
+            for group in (tasks, held) if held else (tasks,):
+                prepare(group, r.toolchains, proxy="http://127.0.0.1:1", out=self.out, attempts=r.attempts,
+                        concurrency=r.concurrency, on_failure=r.on_failure, pass_threshold=r.pass_threshold,
+                        sandbox=r.sandbox)
+        except (TaskFileError, RolloutError, ValueError) as err:
+            raise RLError(str(err)) from None
+        shared = sorted({t.id for t in tasks} & {t.id for t in held})
+        if shared:
+            raise RLError(f"eval.tasks: {len(shared)} of them are training tasks too ({', '.join(shared[:3])}): "
+                          "evaluation must be on held-out tasks")
+        return tasks, held
 
     def _resolve_models(self) -> None:
         """The starting weights for the engine and the trainer, and the tokenizer reconstruct uses."""
@@ -225,7 +261,7 @@ class RLRun:
         """Engine and proxy up for the whole run; both stopped on any exit (Ctrl-C included). This process
         holds the reward token: it is non-dumpable, as the engine and the proxy are."""
         non_dumpable()
-        files = self.write_secrets()
+        files = self.secret_files = self.write_secrets()
         served = Path(self.state.served) if self.state.served else self.start_weights
         key_file = files["openforge_upstream_key_file"]
         policy: Policy
@@ -251,20 +287,49 @@ class RLRun:
 
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
-        for d in (self.out, self.logs, self.flow_dir, self.gguf_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        (self.out / "rl.toml").write_text(self.cfg.to_toml())
-        self.state.save(self.state_path)
-        with self.services():
-            while self.state.iteration < self.cfg.loop.iterations:
-                self.iteration()
+        """Every remaining iteration; the run directory's lock is released at the end, however it ends."""
+        from openforge.trainer.train import silence_loading_bars
+
+        try:
+            for d in (self.out, self.logs, self.flow_dir, self.gguf_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            self.take_lock()  # a directory that did not exist yet at set-up
+            (self.out / "rl.toml").write_text(self.cfg.to_toml())
+            self.state.save(self.state_path)
+            self.open_trackers()
+            silence_loading_bars()  # transformers' per-load bars between the loop's lines
+            with self.services():
+                while self.state.iteration < self.cfg.loop.iterations:
+                    self.iteration()
+                if self.cfg.eval.enabled:
+                    self.evaluate(self.state.version)  # the policy the run ends with, whatever eval.every says
+        finally:
+            if self.trackers is not None:
+                self.trackers.close()
+            self.lock.release()
         lines = read_lines(self.out / "rl.jsonl")
-        plot(lines, self.out / "rl.png")
+        plot(lines, self.out / "rl.png", read_lines(self.eval_path))
         return lines
+
+    def open_trackers(self) -> None:
+        """The experiment trackers of [tracking] under DIR/tracking (docs/tracking.md); none: nothing."""
+        t = self.cfg.tracking
+        if not t.trackers:
+            return
+        try:
+            self.trackers = Trackers(t.trackers, self.out / "tracking", t.project, self.state.run_id,
+                                     tomllib.loads(self.cfg.to_toml()),
+                                     warn=lambda m: self.console.print(f"  [yellow]{m}[/]"))
+        except TrackerError as e:
+            raise RLError(f"tracking: {e}") from None
+
+    def track(self, series: str, values: dict[str, Any], step: int) -> None:
+        if self.trackers is not None:
+            self.trackers.log(series, values, step)
 
     def iteration(self) -> None:
         i, s = self.state.iteration, self.state
-        if s.stage == "rollout":
+        if s.stage == STAGES[0]:
             s.seconds, s.train_start_step, s.checkpoint = {}, -1, ""
         self.console.rule(f"iteration {i + 1}/{self.cfg.loop.iterations} (policy version {s.version})")
         for stage in STAGES[STAGES.index(s.stage):-1]:
@@ -279,7 +344,8 @@ class RLRun:
         keep_lines_before(self.out / "rl.jsonl", i)  # a line an interruption left after it was written
         with (self.out / "rl.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
-        s.iteration, s.stage = i + 1, "rollout"
+        self.track("rl", {k: v for k, v in line.items() if k not in UNTRACKED}, i)
+        s.iteration, s.stage = i + 1, STAGES[0]
         s.save(self.state_path)
         reward = "-" if line["reward_mean"] is None else f"{line['reward_mean']:.3f}"
         self.console.print(f"iteration {i + 1}: reward {reward}, pass@{self.cfg.rollout.attempts} "
@@ -310,6 +376,52 @@ class RLRun:
         return True
 
     # -- stages ----------------------------------------------------------------------------------------------
+    def eval(self, i: int) -> None:
+        """The evaluation pass of the policy iteration i runs on (version i), every eval.every versions."""
+        if self.cfg.eval.enabled and i % self.cfg.eval.every == 0:
+            self.evaluate(self.state.version)
+
+    def evaluate(self, version: int) -> None:
+        """The held-out tasks on the policy version served now, `eval.samples` per task at the policy's
+        sampling and (eval.greedy) one at temperature 0; its line in eval.jsonl, once per version. Each mode's
+        calls go through a proxy of its own (its sampling; flows under DIR/eval/, which reconstruct never
+        reads): no evaluation episode is ever trained on, or in a GRPO group with training episodes."""
+        from openforge.rollout.runner import execute, prepare
+
+        if any(x["policy_version"] == version for x in read_lines(self.eval_path)):
+            return
+        assert self.policy is not None
+        self.ensure_engine(version, "evaluation")
+        r, e = self.cfg.rollout, self.cfg.eval
+        started = time.monotonic()
+        line: dict[str, Any] = {"policy_version": version, "run_id": self.state.run_id, "samples": e.samples}
+        for mode, attempts in [("sampled", e.samples)] + ([("greedy", 1)] if e.greedy else []):
+            out = self.out / "eval" / f"v{version:03d}" / mode
+            shutil.rmtree(out, ignore_errors=True)  # an evaluation an interruption cut short runs again whole
+            proxy = ProxyProcess(self.policy.url, out / "flows", out / "proxy.log", profile=self.policy.profile,
+                                 routes=proxy_routes(self.cfg, greedy=mode == "greedy"),
+                                 secret_files=self.secret_files, policy_version=version,
+                                 pause_timeout=self.cfg.proxy.pause_timeout)
+            with self.console.status(f"evaluation of policy version {version}: {len(self.eval_tasks)} held-out "
+                                     f"tasks x {attempts} ({mode})"), proxy:
+                run_id, specs = prepare(self.eval_tasks, r.toolchains, proxy=proxy.url, out=out, backend="local",
+                                        attempts=attempts, concurrency=r.concurrency, on_failure=r.on_failure,
+                                        pass_threshold=r.pass_threshold,
+                                        run_id=f"{self.state.run_id}-eval{version:03d}-{mode}", sandbox=r.sandbox)
+                done = execute(run_id, specs, out=out, attempts=attempts, concurrency=r.concurrency,
+                               on_failure=r.on_failure, pass_threshold=r.pass_threshold, sandbox=r.sandbox,
+                               client_token=self.client_token, reward_token=self.reward_token)
+            line[mode] = score(done.results, e.k if mode == "sampled" else [1], r.pass_threshold)
+        line["seconds"] = round(time.monotonic() - started, 3)
+        with self.eval_path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.track("eval", line, version)
+        self.console.print(f"  evaluation of policy version {version}: {eval_brief(line)}")
+
+    @property
+    def eval_path(self) -> Path:
+        return self.out / "eval.jsonl"
+
     def rollout(self, i: int) -> None:
         """Every task x toolchain x attempt on policy version i; the verifiers post rewards to the proxy. If
         the engine died meanwhile, it is restarted and the episodes of that round run again."""
@@ -440,7 +552,8 @@ class RLRun:
             cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
             bf16 = not cuda and cpu_has_bf16()  # CUDA: the trainer autocasts itself
             with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                final = train(cfg, resume=True, new_selection=True, say=lambda m: self.console.print(f"  {m}"))
+                final = train(cfg, resume=True, new_selection=True, say=lambda m: self.console.print(f"  {m}"),
+                              on_step=lambda record: self.track("train", record, int(record["step"])))
         except (ConfigError, DataError) as e:
             raise RLError(f"training refused: {e}") from None
         s.checkpoint = str(final)
@@ -501,6 +614,9 @@ class RLRun:
                 f"{self.selection(i)} AND policy_version = {i}").fetchone()
             mismatches = con.execute("SELECT count(*) FROM rl_reward_mismatches WHERE iteration = ?",
                                      [i]).fetchone()[0]
+            stale_max, stale_mean = con.execute(
+                f"SELECT max({i} - policy_version), avg({i} - policy_version) FROM samples WHERE n_trainable > 0 "
+                f"AND {self.selection(i)}").fetchone()
         finally:
             con.close()
         return {
@@ -508,6 +624,7 @@ class RLRun:
             "episodes": overall["episodes"], "attempts": self.cfg.rollout.attempts,
             "reward_mean": overall["mean_reward"], "pass_at_k": overall["pass_at_k"],
             "pass_all_k": overall["pass_all_k"], "failures": overall["failures"],
+            "failure_classes": overall.get("failure_classes", {}),
             "zero_variance_groups": zero_variance_share(results),
             "toolchains": {k: _brief(v) for k, v in summary["toolchains"].items()},
             "tasks": {k: _brief(v) for k, v in summary["tasks"].items()},
@@ -516,8 +633,10 @@ class RLRun:
             "train_step_range": [metrics[0]["step"], metrics[-1]["step"]] if metrics else None,
             "train": {k: sum(m[k] for m in metrics) / len(metrics) for k in METRIC_MEANS} if metrics else None,
             "reward_mismatches": mismatches,
+            "staleness": {"max": stale_max, "mean": None if stale_mean is None else round(stale_mean, 6)},
             "checkpoint": self.state.checkpoint or None, "served": self.state.served or str(self.start_weights),
             "seconds": dict(self.state.seconds),
+            "eval": next((x for x in read_lines(self.eval_path) if x["policy_version"] == i), None),
         }
 
 
@@ -533,13 +652,13 @@ def rerun(spec: EpisodeSpec, resume: int) -> EpisodeSpec:
                                home=str(ep_dir / "home"))
 
 
-def finished(result: EpisodeResult, on_failure: str) -> bool:
+def finished(result: EpisodeResult, on_failure: str | dict[str, str]) -> bool:
     """Whether an earlier try's result counts on resume: the episode ran to its end, and the reward it had to
     post reached the proxy. A SIGTERM leaves `crashed: interrupted`; a kill -9 of the loop takes the proxy
     with it, so the agent fails and its reward post with it."""
     if result.status == "crashed" and result.reason == "interrupted":
         return False
-    return result.reward_posted or not (result.reward is not None or on_failure == "zero")
+    return result.reward_posted or not reward_due(result, on_failure)
 
 
 def void_results(specs: list[EpisodeSpec]) -> None:
@@ -557,7 +676,7 @@ def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def posted_reward(result: EpisodeResult) -> float | None:
-    """The reward the episode posted to the proxy: the verifier's, 0.0 for a failure under on_failure=zero,
+    """The reward the episode posted to the proxy: the verifier's, 0.0 for a failure whose class's policy is zero,
     None when nothing reached it."""
     if not result.reward_posted:
         return None
@@ -627,51 +746,99 @@ def keep_lines_before(path: Path, iteration: int) -> None:
         path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
-def plot(lines: list[dict[str, Any]], path: Path) -> None:
-    """rl.png: mean reward and pass@k per iteration, overall and per toolchain."""
-    if not lines:
+def plot(lines: list[dict[str, Any]], path: Path, evals: list[dict[str, Any]] | None = None) -> None:
+    """rl.png: by policy version, the rollouts' mean reward and pass@k (overall and per toolchain) and the
+    evaluation's mean reward (error bars: one standard error), pass@k and greedy pass@1."""
+    if not lines and not evals:
         return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [line["iteration"] + 1 for line in lines]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(x, [line["reward_mean"] for line in lines], marker="o", label="mean reward")
-    ax.plot(x, [line["pass_at_k"] for line in lines], marker="s", linestyle="--",
-            label=f"pass@{lines[0]['attempts']}")
-    names = sorted({n for line in lines for n in line["toolchains"]})
-    if len(names) > 1:
-        for name in names:
-            ax.plot(x, [line["toolchains"].get(name, {}).get("reward_mean") for line in lines], marker=".",
-                    linestyle=":", label=f"{name} reward")
-    ax.set_xlabel("iteration")
-    ax.set_xticks(x)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    x = [line["policy_version"] for line in lines]
+    if lines:
+        ax.plot(x, [line["reward_mean"] for line in lines], marker="o", label="rollout reward (trained on)")
+        ax.plot(x, [line["pass_at_k"] for line in lines], marker="s", linestyle="--",
+                label=f"rollout pass@{lines[0]['attempts']} (any)")
+        names = sorted({n for line in lines for n in line["toolchains"]})
+        if len(names) > 1:
+            for name in names:
+                ax.plot(x, [line["toolchains"].get(name, {}).get("reward_mean") for line in lines], marker=".",
+                        linestyle=":", label=f"{name} reward")
+    evals = sorted(evals or [], key=lambda e: e["policy_version"])
+    if evals:
+        ev = [e["policy_version"] for e in evals]
+        sampled = [e["sampled"] for e in evals]
+        ax.errorbar(ev, [s["reward_mean"] for s in sampled], yerr=[s["reward_se"] or 0 for s in sampled],
+                    marker="D", capsize=3, label=f"eval reward (held out, n={evals[-1]['samples']})")
+        k = max(sampled[-1]["pass_at"], key=int)
+        ax.plot(ev, [s["pass_at"][k]["value"] for s in sampled], marker="^", linestyle="-.", label=f"eval pass@{k}")
+        if all("greedy" in e for e in evals):
+            ax.plot(ev, [e["greedy"]["pass_at"]["1"]["value"] for e in evals], marker="v", linestyle="-.",
+                    label="eval greedy pass@1")
+    ticks = sorted(set(x) | {e["policy_version"] for e in evals})
+    ax.set_xlabel("policy version (rollouts of iteration i + 1 run on version i)")
+    ax.set_xticks(ticks)
     ax.set_ylim(-0.05, 1.05)
-    ax.set_title("openforge rl: reward per iteration")
-    ax.legend(fontsize=8)
+    ax.set_title("openforge rl: reward by policy version")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def results_table(lines: list[dict[str, Any]]) -> Any:
+def eval_brief(line: dict[str, Any]) -> str:
+    """An evaluation line in a few words: 'reward 0.50 +- 0.10, pass@1 40%, pass@2 60%, greedy 50% (8 tasks,
+    32/32 scored)'."""
+    s = line["sampled"]
+    parts = [f"reward {_num3(s['reward_mean'])} +- {_num3(s['reward_se'])}"]
+    parts += [f"pass@{k} {_pct(v['value'])}" for k, v in s["pass_at"].items()]
+    if "greedy" in line:
+        parts.append(f"greedy {_pct(line['greedy']['pass_at']['1']['value'])}")
+    failures = f", failures {s['failures']}" if s["failures"] else ""
+    return ", ".join(parts) + f" ({s['tasks']} tasks, {s['scored']}/{s['episodes']} scored{failures})"
+
+
+def results_table(lines: list[dict[str, Any]], evals: list[dict[str, Any]] | None = None) -> Any:
+    """The table printed at the end: a row per iteration (its policy version's rollouts, training, and
+    evaluation when there was one), and a last row for the evaluation of the policy the run ends with."""
     from rich.table import Table
 
     attempts = lines[0]["attempts"] if lines else 1
+    by_version = {e["policy_version"]: e for e in evals or []}
     table = Table(title="openforge rl")
     for col in ("iter", "policy", "episodes", "reward", f"pass@{attempts}", "samples", "loss", "gap", "s"):
         table.add_column(col, justify="right")
-    table.caption = "reward: mean; loss: the trainer's mean; gap: mean |engine - trainer logprob|; s: seconds"
+    if by_version:
+        for col in ("eval reward", "eval pass@k", "greedy", "scored"):
+            table.add_column(col, justify="right")
+    table.caption = ("reward: mean over the rollout (trained on); loss: the trainer's mean; gap: mean |engine - "
+                     "trainer logprob|; s: seconds" + ("; eval: held-out tasks, +- one standard error across "
+                                                        "tasks, pass@k unbiased; scored/episodes" if by_version
+                                                        else ""))
     for line in lines:
         t = line["train"] or {}
-        table.add_row(str(line["iteration"] + 1), str(line["policy_version"]), str(line["episodes"]),
-                      "-" if line["reward_mean"] is None else f"{line['reward_mean']:.3f}",
-                      _pct(line["pass_at_k"]), str(line["samples"]),
-                      f"{t['loss']:.4f}" if t else "-", f"{t['engine_gap_mean']:.4f}" if t else "-",
-                      f"{sum(v for k, v in line['seconds'].items() if k != 'paused'):.0f}")
+        row = [str(line["iteration"] + 1), str(line["policy_version"]), str(line["episodes"]),
+               "-" if line["reward_mean"] is None else f"{line['reward_mean']:.3f}",
+               _pct(line["pass_at_k"]), str(line["samples"]),
+               f"{t['loss']:.4f}" if t else "-", f"{t['engine_gap_mean']:.4f}" if t else "-",
+               f"{sum(v for k, v in line['seconds'].items() if k != 'paused'):.0f}"]
+        table.add_row(*row, *(_eval_cells(by_version.get(line["policy_version"])) if by_version else []))
+    last = max(by_version, default=-1)
+    if last >= 0 and last not in {line["policy_version"] for line in lines}:
+        table.add_row("end", str(last), *["-"] * 7, *_eval_cells(by_version[last]))
     return table
+
+
+def _eval_cells(line: dict[str, Any] | None) -> list[str]:
+    if line is None:
+        return ["-"] * 4
+    s = line["sampled"]
+    passes = " ".join(f"@{k} {_pct(v['value'])}" for k, v in s["pass_at"].items())
+    greedy = _pct(line["greedy"]["pass_at"]["1"]["value"]) if "greedy" in line else "-"
+    return [f"{_num3(s['reward_mean'])}+-{_num3(s['reward_se'])}", passes, greedy, f"{s['scored']}/{s['episodes']}"]
 
 
 def load(config: Path | None, sets: dict[str, Any], out: Path, resume: bool) -> RLConfig:
@@ -691,6 +858,10 @@ def _brief(group: dict[str, Any]) -> dict[str, Any]:
 
 def _num(x: float | None) -> str:
     return "none" if x is None else f"{x:g}"
+
+
+def _num3(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _pct(x: float | None) -> str:

@@ -96,10 +96,13 @@ class ControlAPI:
         self.http.close()
 
 
-def proxy_routes(cfg: RLConfig) -> dict[str, Any]:
-    """Every policy role's calls go to the engine's model with the RL sampling (docs/addon.md, routing)."""
+def proxy_routes(cfg: RLConfig, greedy: bool = False) -> dict[str, Any]:
+    """Every policy role's calls go to the engine's model with the RL sampling (docs/addon.md, routing);
+    `greedy`: the most likely token at every step instead (evaluation)."""
     p = cfg.proxy
     sampling: dict[str, Any] = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p}
+    if greedy:
+        sampling |= {"temperature": 0.0, "top_p": 1.0, "top_k": 1, "min_p": 0.0}
     if p.max_tokens:
         sampling["max_tokens"] = p.max_tokens
     return {role: {"models": {"*": cfg.engine.name}, "sampling": sampling} for role in cfg.reconstruct.train_roles}

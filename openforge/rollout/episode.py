@@ -38,6 +38,7 @@ from openforge.processes import stop_group
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout import sandbox
 from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
+from openforge.rollout.failures import answered, classify, engine_failure, model_output_errors, policies
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 from openforge.rollout.tasks import relative_path
 
@@ -46,6 +47,8 @@ KEEP_ENV = ("PATH", "LANG", "LC_ALL", "TERM", "TMPDIR", "USER", "LOGNAME", "SHEL
 MAX_ABS_REWARD = 1e6  # the proxy refuses larger rewards
 KILL_GRACE_S = 2.0
 POST_TRIES = 3
+STDERR_TAIL = 2000  # characters of the verifier's stderr kept in result.json
+TRACEBACK = "Traceback (most recent call last):"
 
 
 class EpisodeError(Exception):
@@ -165,11 +168,21 @@ def run_group(argv: list[str], *, cwd: Path, env: dict[str, str], out: Path, nam
     return code, time.monotonic() - started
 
 
-def parse_reward(stdout: str, exit_code: int) -> float:
-    """The verifier's reward: its last non-empty stdout line as a finite number, or 1.0 / 0.0 from its exit
-    status when it printed nothing; ValueError saying why for anything else."""
+def parse_reward(stdout: str, exit_code: int, stderr: str = "") -> float:
+    """The verifier's reward (docs/rollouts.md, The reward): its last non-empty stdout line as a finite
+    number when it exited 0; when it printed nothing, 1.0 for exit 0 and 0.0 for exit 1 (a test runner's
+    "checked: no"), unless stderr shows a crash. ValueError saying why for anything else: a crash is never
+    a reward."""
     lines = [line.strip() for line in stdout.splitlines() if line.strip()]
+    if exit_code < 0:
+        raise ValueError(f"killed by signal {-exit_code}")
+    if lines and exit_code != 0:
+        raise ValueError(f"exited {exit_code} after printing {lines[-1][:80]!r}: a crash is no reward")
     if not lines:
+        if exit_code not in (0, 1):
+            raise ValueError(f"exited {exit_code} (only 0 and 1 are verdicts; see verify.stderr)")
+        if exit_code == 1 and (why := python_crash(stderr)):
+            raise ValueError(f"crashed: {why}")
         return 1.0 if exit_code == 0 else 0.0
     last = lines[-1]
     try:
@@ -179,6 +192,18 @@ def parse_reward(stdout: str, exit_code: int) -> float:
     if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
         raise ValueError(f"last stdout line {last[:80]!r} is not a finite number within +-{MAX_ABS_REWARD:g}")
     return reward
+
+
+def python_crash(stderr: str) -> str | None:
+    """The uncaught exception (not an AssertionError: that is a check saying no) or missing module that
+    ended a Python verifier, from its stderr; None when stderr shows neither."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if lines and "No module named " in lines[-1] and "Error" not in lines[-1]:
+        return lines[-1].split(": ", 1)[-1][:200]
+    if TRACEBACK not in stderr or not lines:
+        return None
+    last = lines[-1]
+    return None if last.startswith("AssertionError") else last[:200]
 
 
 def post_reward(spec: EpisodeSpec, reward: float, status: str, key: str | None) -> str | None:
@@ -267,9 +292,9 @@ def _special_files(directory: str, names: list[str]) -> set[str]:
                                      or os.path.isdir(p))}
 
 
-def _verify(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path) -> tuple[float, float]:
-    """(reward, seconds) from the task's verifier, run in `work.verify/`: a fresh copy of the workspace with
-    the task's own files written over it, and a fresh HOME; EpisodeError(verify_failed) when it gave none."""
+def _verify(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path) -> tuple[int | None, float]:
+    """(exit code or None on timeout, seconds) of the task's verifier, run in `work.verify/`: a fresh copy of
+    the workspace with the task's own files written over it, and a fresh HOME."""
     work = Path(spec.workdir)
     copy, home = work.with_name(work.name + ".verify"), out / "verify-home"
     for d in (copy, home):
@@ -280,18 +305,62 @@ def _verify(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out:
     home.mkdir()
     box.prepare(copy, home)
     with box.step(["bash", "-c", spec.task.verify], cwd=copy, writable=[copy, home], network=False) as (argv, popen):
-        code, seconds = run_group(argv, cwd=copy, env=verifier_env(home, parent), out=out, name="verify",
-                                  timeout=spec.task.timeout_s, popen=popen)
-    if code is None:
-        raise EpisodeError("verify_failed", f"verifier timed out after {spec.task.timeout_s:g} s")
+        return run_group(argv, cwd=copy, env=verifier_env(home, parent), out=out, name="verify",
+                         timeout=spec.task.timeout_s, popen=popen)
+
+
+class VerifyFailed(EpisodeError):
+    """The verifier gave no reward; `result` holds its exit code and stderr."""
+
+    def __init__(self, result: EpisodeResult, reason: str) -> None:
+        super().__init__("verify_failed", reason)
+        self.result = result
+
+
+def _verdict(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path,
+             result: EpisodeResult) -> EpisodeResult:
+    """`result` with the verifier's reward, exit code and stderr tail; VerifyFailed when it gave none."""
+    code, seconds = _verify(spec, box, parent, out)
+    stderr = (out / "verify.stderr").read_text(errors="replace")
+    result = replace(result, verify_exit_code=code, verify_s=round(seconds, 3), verify_stderr=stderr[-STDERR_TAIL:])
     try:
-        return parse_reward((out / "verify.stdout").read_text(errors="replace"), code), seconds
+        if code is None:
+            raise ValueError(f"timed out after {spec.task.timeout_s:g} s")
+        return replace(result, reward=parse_reward((out / "verify.stdout").read_text(errors="replace"), code, stderr))
     except ValueError as e:
-        raise EpisodeError("verify_failed", f"verifier (exit {code}): {e}") from None
+        raise VerifyFailed(result, f"verifier: {e}") from None
+
+
+def proxy_calls(spec: EpisodeSpec, key: str | None) -> dict[str, Any] | None:
+    """The proxy's count of this episode's calls by answer status, with its last error answers
+    (`GET /openforge/v1/episodes/<episode>/calls`, with the episode's reward key); None when it cannot say
+    (a proxy without that endpoint, or none)."""
+    url = f"{spec.proxy_url.rstrip('/')}/openforge/v1/episodes/{spec.episode}/calls"
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=30) as answer:
+            calls = json.loads(answer.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return calls if isinstance(calls, dict) and isinstance(calls.get("statuses"), dict) else None
+
+
+def _classified(result: EpisodeResult, calls: Mapping[str, Any] | None) -> EpisodeResult:
+    """`result` with its failure class (failures.py), the reason saying what decided it."""
+    cls = classify(result)
+    notes = []
+    if result.status == "timeout" and calls is not None and not answered(calls):
+        cls = "infra"
+        notes.append("no call of it was answered (a slow or stuck engine, or an agent that never called it)")
+    if calls is not None and (n := model_output_errors(calls)):
+        notes.append(f"the engine could not parse the model's output ({n} calls): the model's mistake")
+    return replace(result, failure_class=cls, reason="; ".join(r for r in (result.reason, *notes) if r))
 
 
 def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, str] | None = None) -> EpisodeResult:
-    """Run the episode, post its reward (or 0.0 for a failure under on_failure=zero), write result.json."""
+    """Run the episode, post its reward (the verifier's, or 0.0 for a failure whose class's policy is zero),
+    write result.json."""
     parent = os.environ if parent_env is None else parent_env
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -299,6 +368,7 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
                            attempt=spec.attempt, status="ok", reward=None)
     work, home = Path(spec.workdir), Path(spec.home)
     env = base_env(home, parent)
+    calls: dict[str, Any] | None = None
     try:
         box = Confinement(spec)
         _setup_workspace(spec, env, out)
@@ -309,21 +379,28 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
             code, agent_s = run_group(argv, cwd=work, env={**env, **adapter_env}, out=out, name="agent",
                                       timeout=spec.task.timeout_s, popen=popen)
         result = replace(result, exit_code=code, agent_s=round(agent_s, 3))
+        calls = proxy_calls(spec, secrets.reward_key())
+        if calls is not None:
+            result = replace(result, calls={str(k): int(v) for k, v in calls["statuses"].items()})
+            if why := engine_failure(calls):
+                raise EpisodeError("engine_error", why)
         if code is None:
             raise EpisodeError("timeout", f"agent killed after {spec.task.timeout_s:g} s")
         if code != 0:
             raise EpisodeError("agent_failed", f"agent exited {code} (see agent.stderr)")
-        reward, verify_s = _verify(spec, box, parent, out)
-        result = replace(result, reward=reward, verify_s=round(verify_s, 3))
+        result = _verdict(spec, box, parent, out, result)
+    except VerifyFailed as e:
+        result = replace(e.result, status=e.status, reason=e.reason)
     except EpisodeError as e:
         result = replace(result, status=e.status, reason=e.reason)
     except KeyboardInterrupt:  # SIGINT, or SIGTERM (main): the runner was stopped; no reward for this one
-        result = replace(result, status="crashed", reason="interrupted")
+        result = replace(result, status="crashed", reason="interrupted", failure_class="infra")
         write_result(out, result)
         return result
     except Exception as e:  # noqa: BLE001 - an episode always ends with a result saying why
         result = replace(result, status="crashed", reason=f"{type(e).__name__}: {e}")
-    if result.reward is not None or spec.on_failure == "zero":
+    result = _classified(result, calls)
+    if result.failure_class is None or policies(spec.on_failure)[result.failure_class] == "zero":
         why = post_reward(spec, result.reward if result.reward is not None else 0.0, result.status,
                           secrets.reward_key())
         result = replace(result, reward_posted=why is None,

@@ -22,8 +22,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from openforge.processes import signal_group, stop_group
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
+from openforge.rollout.failures import POLICIES, classify, policies
 from openforge.rollout.sandbox import MODES, unavailable
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
@@ -39,9 +42,11 @@ from openforge.rollout.tasks import TaskFileError, read_tasks
 if TYPE_CHECKING:
     from openforge.rollout.k8s import K8sOptions
 
-ON_FAILURE = ("zero", "drop")
+OnFailure = str | Mapping[str, str]  # failures.policies: "default", "zero", "drop", "class=policy,..." or a mapping
+
+ON_FAILURE = POLICIES
 BACKENDS = ("local", "k8s")
-STATUSES = ("ok", "agent_failed", "timeout", "crashed", "verify_failed")
+STATUSES = ("ok", "agent_failed", "timeout", "crashed", "verify_failed", "engine_error")
 EPISODE_SLACK_S = 120.0  # past its setup's, agent's and verifier's timeouts, the runner kills an episode process
 
 
@@ -54,11 +59,12 @@ def new_run_id() -> str:
 
 
 def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, proxy_url: str, out: Path,
-         run_id: str, fresh_verify_copy: bool = False, on_failure: str = "zero",
+         run_id: str, fresh_verify_copy: bool = False, on_failure: OnFailure = "default",
          sandbox: str = "bwrap") -> list[EpisodeSpec]:
     """One spec per (task, toolchain allowed by the task, attempt 1..k), each with its own directories under
     `out/episodes/<episode>/` (episode = run id, task, toolchain, attempt)."""
     specs: list[EpisodeSpec] = []
+    policy = policies(on_failure)
     for task in tasks:
         for adapter in adapters:
             if task.toolchains is not None and adapter.name not in task.toolchains:
@@ -69,7 +75,7 @@ def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, p
                 specs.append(EpisodeSpec(
                     run_id=run_id, episode=episode, task=task, adapter=adapter, attempt=attempt, proxy_url=proxy_url,
                     out_dir=str(ep_dir), workdir=str(ep_dir / "work"), home=str(ep_dir / "home"),
-                    fresh_verify_copy=fresh_verify_copy, on_failure=on_failure, sandbox=sandbox))
+                    fresh_verify_copy=fresh_verify_copy, on_failure=policy, sandbox=sandbox))
     if len({s.episode for s in specs}) != len(specs):
         raise RolloutError("two episodes got the same id (task and toolchain names that run together): rename one")
     return specs
@@ -168,14 +174,15 @@ def passed(result: EpisodeResult, threshold: float) -> bool:
     return result.status == "ok" and result.reward is not None and result.reward >= threshold
 
 
-def counted_reward(result: EpisodeResult, on_failure: str) -> float | None:
-    """The reward that counts for the mean: the verifier's, 0.0 for a failure under `zero`, none under `drop`."""
+def counted_reward(result: EpisodeResult, on_failure: OnFailure) -> float | None:
+    """The reward that counts for the mean: the verifier's, 0.0 for a failure whose class's policy is `zero`,
+    none under `drop`."""
     if result.reward is not None:
         return result.reward
-    return 0.0 if on_failure == "zero" else None
+    return 0.0 if policies(on_failure)[classify(result) or "agent"] == "zero" else None
 
 
-def group_stats(results: Sequence[EpisodeResult], threshold: float, on_failure: str) -> dict[str, Any]:
+def group_stats(results: Sequence[EpisodeResult], threshold: float, on_failure: OnFailure) -> dict[str, Any]:
     """Episodes, mean reward, pass@k / pass^k over the (task, toolchain) units in `results`, failures, time."""
     units: dict[tuple[str, str], list[EpisodeResult]] = defaultdict(list)
     for r in results:
@@ -191,13 +198,14 @@ def group_stats(results: Sequence[EpisodeResult], threshold: float, on_failure: 
         "pass_all_k": round(sum(all(passed(r, threshold) for r in u) for u in units.values()) / len(units), 6)
         if units else None,
         "failures": dict(sorted(Counter(r.status for r in results if r.status != "ok").items())),
+        "failure_classes": dict(sorted(Counter(c for r in results if (c := classify(r))).items())),
         "seconds": round(sum(seconds), 3),
         "mean_seconds": round(sum(seconds) / len(seconds), 3) if seconds else None,
     }
 
 
 def summarize(results: Sequence[EpisodeResult], *, run_id: str, attempts: int, pass_threshold: float,
-              on_failure: str, wall_s: float) -> dict[str, Any]:
+              on_failure: OnFailure, wall_s: float) -> dict[str, Any]:
     """summary.json: per task, per toolchain and overall (docs/rollouts.md, Summary)."""
     by_task: dict[str, list[EpisodeResult]] = defaultdict(list)
     by_toolchain: dict[str, list[EpisodeResult]] = defaultdict(list)
@@ -205,7 +213,7 @@ def summarize(results: Sequence[EpisodeResult], *, run_id: str, attempts: int, p
         by_task[r.task_id].append(r)
         by_toolchain[r.toolchain].append(r)
     return {
-        "run_id": run_id, "attempts": attempts, "pass_threshold": pass_threshold, "on_failure": on_failure,
+        "run_id": run_id, "attempts": attempts, "pass_threshold": pass_threshold, "on_failure": policies(on_failure),
         "wall_s": round(wall_s, 3),
         "tasks": {k: group_stats(v, pass_threshold, on_failure) for k, v in by_task.items()},
         "toolchains": {k: group_stats(v, pass_threshold, on_failure) for k, v in by_toolchain.items()},
@@ -224,6 +232,37 @@ class Rollout:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+def check_proxy(proxy: str, client_token: str | None = None, reward_token: str | None = None,
+                timeout: float = 10.0) -> None:
+    """RolloutError unless the proxy at `proxy` answers its readiness probe (`GET /openforge/v1/status`, with
+    the client token, else the reward token): before any episode runs, not once per episode."""
+    client, reward = tokens(client_token, reward_token)
+    url = f"{proxy.rstrip('/')}/openforge/v1/status"
+    token = client or reward
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP(S)_PROXY
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout) as answer:
+            body = json.loads(answer.read())
+            if not isinstance(body, dict) or body.get("ok") is not True:
+                raise ValueError(body)
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:300].decode(errors="replace")
+        if e.code == 401:
+            raise RolloutError(f"the proxy at {proxy} refuses the token given (HTTP 401): set "
+                               f"{CLIENT_TOKEN_ENV} to one of its openforge_client_tokens") from None
+        if e.code == 503:
+            raise RolloutError(f"the proxy at {proxy} is not ready (HTTP 503): {detail}") from None
+        raise RolloutError(f"{proxy} is not an OpenForge proxy (GET /openforge/v1/status answered HTTP {e.code})") \
+            from None
+    except (urllib.error.URLError, OSError) as e:
+        raise RolloutError(f"the proxy at {proxy} does not answer (GET /openforge/v1/status: "
+                           f"{getattr(e, 'reason', e)}); start it first (openforge proxy)") from None
+    except ValueError:
+        raise RolloutError(f"{proxy} is not an OpenForge proxy (GET /openforge/v1/status did not answer "
+                           f"its JSON)") from None
+
+
 def check_sandbox(sandbox: str, backend: str) -> str:
     """The sandbox mode episodes run under: `sandbox`, except that a Kubernetes pod confines its agent by
     uid (`bwrap` -> `uid`); RolloutError when the mode is unknown or cannot run here."""
@@ -237,7 +276,7 @@ def check_sandbox(sandbox: str, backend: str) -> str:
 
 
 def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter], *, proxy: str, out: str | Path,
-            attempts: int = 1, concurrency: int = 1, on_failure: str = "zero", fresh_verify_copy: bool = False,
+            attempts: int = 1, concurrency: int = 1, on_failure: OnFailure = "default", fresh_verify_copy: bool = False,
             pass_threshold: float = 1.0, backend: str = "local", run_id: str | None = None,
             sandbox: str = "bwrap", client_token: str | None = None,
             reward_token: str | None = None) -> tuple[str, list[EpisodeSpec]]:
@@ -246,8 +285,10 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
     same keyword arguments)."""
     if attempts < 1 or concurrency < 1:
         raise RolloutError("--attempts and --concurrency must be >= 1")
-    if on_failure not in ON_FAILURE:
-        raise RolloutError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {on_failure!r}")
+    try:
+        policies(on_failure)
+    except ValueError as e:
+        raise RolloutError(f"--on-failure / on_failure: {e}") from None
     if backend not in BACKENDS:
         raise RolloutError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if not math.isfinite(pass_threshold):
@@ -277,7 +318,7 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
 
 
 def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts: int, concurrency: int = 1,
-            on_failure: str = "zero", pass_threshold: float = 1.0, backend: str = "local",
+            on_failure: OnFailure = "default", pass_threshold: float = 1.0, backend: str = "local",
             k8s_options: K8sOptions | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None,
             done: Sequence[EpisodeResult] = (), sandbox: str | None = None, client_token: str | None = None,
             reward_token: str | None = None) -> Rollout:
@@ -308,16 +349,18 @@ def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts:
 
 
 def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter], *, proxy: str, out: str | Path,
-        attempts: int = 1, concurrency: int = 1, on_failure: str = "zero", fresh_verify_copy: bool = False,
+        attempts: int = 1, concurrency: int = 1, on_failure: OnFailure = "default", fresh_verify_copy: bool = False,
         pass_threshold: float = 1.0, backend: str = "local", k8s_options: K8sOptions | None = None,
         run_id: str | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None,
         sandbox: str = "bwrap", client_token: str | None = None, reward_token: str | None = None) -> Rollout:
-    """`openforge rollout` as a function (docs/rollouts.md): `prepare`, then `execute`. Tokens: the
-    arguments, else $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError for bad input or a
-    sandbox that cannot run here (nothing run)."""
+    """`openforge rollout` as a function (docs/rollouts.md): `prepare`, `check_proxy` (local), then
+    `execute`. Tokens: the arguments, else $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError
+    for bad input, a sandbox that cannot run here or a proxy that does not answer (nothing run)."""
     run_id, specs = prepare(tasks, toolchains, proxy=proxy, out=out, attempts=attempts, concurrency=concurrency,
                             on_failure=on_failure, fresh_verify_copy=fresh_verify_copy,
                             pass_threshold=pass_threshold, backend=backend, run_id=run_id, sandbox=sandbox)
+    if backend == "local":
+        check_proxy(proxy, client_token, reward_token)
     return execute(run_id, specs, out=out, attempts=attempts, concurrency=concurrency, on_failure=on_failure,
                    pass_threshold=pass_threshold, backend=backend, k8s_options=k8s_options, on_done=on_done,
                    client_token=client_token, reward_token=reward_token)

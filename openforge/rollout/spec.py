@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openforge.rollout.failures import DEFAULT_POLICY, STATUS_CLASS, policies
+
 SPEC_VERSION = 1
 CLIENT_TOKEN_ENV = "OPENFORGE_CLIENT_TOKEN"
 REWARD_TOKEN_ENV = "OPENFORGE_REWARD_TOKEN"
@@ -27,7 +29,7 @@ class Task:
 
     id: str
     prompt: str
-    verify: str  # shell command run in the workspace after the agent; last stdout line a number, or exit 0 -> 1.0
+    verify: str  # shell command run after the agent: a number printed and exit 0, or exit 0 -> 1.0 / 1 -> 0.0
     files: dict[str, str] = field(default_factory=dict)  # workspace path -> content
     setup: str | None = None  # shell command run in the workspace before the agent
     timeout_s: float = 600.0
@@ -62,7 +64,8 @@ class EpisodeSpec:
     workdir: str
     home: str
     fresh_verify_copy: bool = False  # kept for old specs and options: the verifier always runs in a fresh copy
-    on_failure: str = "zero"  # a failed episode's reward: "zero" posts 0.0, "drop" posts none
+    # a failed episode's reward, per failure class (failures.py): "zero" posts 0.0, "drop" posts none
+    on_failure: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     sandbox: str = "none"  # how the agent and verifier are confined (sandbox.py); the runner always sets it
     version: int = SPEC_VERSION
 
@@ -82,6 +85,7 @@ class EpisodeSpec:
         task["toolchains"] = tuple(task["toolchains"]) if task.get("toolchains") is not None else None
         adapter = dict(data.pop("adapter"))
         adapter["command"] = tuple(adapter["command"])
+        data["on_failure"] = policies(data.get("on_failure"))  # older specs: one policy for every class
         return cls(task=Task(**task), adapter=Adapter(**adapter), **data)
 
     @classmethod
@@ -93,7 +97,10 @@ class EpisodeSpec:
 class EpisodeResult:
     """What the entrypoint writes to `<out_dir>/result.json`. `status`: ok (agent exited 0 and the verifier
     gave a reward), agent_failed (non-zero exit), timeout, crashed (could not start), verify_failed (no
-    reward from the verifier: garbage, timeout, crash). `reward` is the verifier's, None when it gave none."""
+    reward from the verifier: garbage, timeout, crash), engine_error (the engine or proxy failed one of its
+    calls). `reward` is the verifier's, None when it gave none; `failure_class` (failures.py) None when ok;
+    `calls`: the proxy's count of the episode's calls by answer status ("none": unanswered), None when it
+    could not say; `verify_exit_code` and `verify_stderr` (its tail) once the verifier ran."""
 
     episode: str
     task_id: str
@@ -106,9 +113,13 @@ class EpisodeResult:
     agent_s: float = 0.0
     verify_s: float = 0.0
     reward_posted: bool = False
+    failure_class: str | None = None
+    calls: dict[str, int] | None = None
+    verify_exit_code: int | None = None
+    verify_stderr: str = ""
 
     @classmethod
     def unrewarded(cls, spec: EpisodeSpec, status: str, reason: str) -> EpisodeResult:
         """The result of an episode that wrote none (its process or pod died first): no reward posted."""
         return cls(episode=spec.episode, task_id=spec.task.id, toolchain=spec.adapter.name, attempt=spec.attempt,
-                   status=status, reward=None, reason=reason)
+                   status=status, reward=None, reason=reason, failure_class=STATUS_CLASS.get(status, "infra"))
