@@ -1,7 +1,8 @@
 """Request and answer bodies: JSON read once, and the answer the client gets made from the engine's.
 
 The engine's answer is recorded as received; the client gets it without the fields the proxy injected
-(`strip_body`), or translated back into the protocol it spoke (`translate_body`).
+(`strip_body`), or translated back into the protocol it spoke (`translate_body`); a call the proxy sent
+unstreamed (`profiles.unstream`) is answered as the stream the client asked for (`restream_body`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from openforge.protocols import errors as protocol_errors
 from openforge.protocols.engine_ids import body_has_token_ids, has_token_ids
 from openforge.protocols.errors import ProtocolError
 
-from . import profiles, translate
+from . import profiles, restream, translate
 from .errors import Refused, error_message
 from .exchange import Exchange
 
@@ -108,3 +109,28 @@ def translate_body(resp: http.Response, ex: Exchange) -> None:
         ex.error = e.message
     resp.content = json.dumps(out, ensure_ascii=False).encode()
     resp.headers["content-type"] = "application/json"
+
+
+def restream_body(resp: http.Response, ex: Exchange) -> bool:
+    """Answer an unstreamed call (`ex.restream`) as the stream the client asked for: the engine's Chat answer
+    without injected fields as Chat events, or translated into the client's protocol's events. An error
+    answer stays a JSON error, as the engine gives it to a streamed call. Returns whether it has token ids."""
+    if ex.translated is None:
+        has_ids = strip_body(resp, ex)
+        answer = json_object(resp.content) if resp.status_code == 200 else None
+        if answer is not None:
+            _set_stream(resp, restream.chat_events(answer, ex.restream_usage))
+        return has_ids
+    has_ids = body_has_token_ids(resp.content)
+    answer = json_object(resp.content) if resp.status_code == 200 else None
+    if answer is None or not answer.get("choices"):
+        translate_body(resp, ex)
+        return has_ids
+    translator = translate.stream_translator(ex.translated["from"], ex.client_body or {})
+    _set_stream(resp, translator.feed(restream.chat_events(answer, True)) + translator.finish())
+    return has_ids
+
+
+def _set_stream(resp: http.Response, events: bytes) -> None:
+    resp.headers["content-type"] = "text/event-stream"
+    set_body(resp, events)

@@ -23,6 +23,7 @@ class Exchange:
         "toolchain", "protocol", "model", "upstream_model", "engine_profile", "client_request",
         "upstream_request", "injected", "translated", "client_body", "chunks", "client_chunks", "streamed",
         "rewriter", "translator", "error", "path", "written", "on_end", "held", "policy_version",
+        "restream", "restream_usage",
     )
 
     def __init__(self, id: str, seq: int, proxy: str, t_start: float, protocol: str, path: str) -> None:
@@ -58,6 +59,8 @@ class Exchange:
         self.on_end: Callable[[], bytes | None] | None = None
         self.held: list[bytes] = []  # the client's terminal event (and anything after it), until recorded
         self.policy_version = 0  # the proxy's policy version when the call went on to the engine
+        self.restream = False  # sent unstreamed for the client's stream (`profiles.unstream`)
+        self.restream_usage = False  # and the client asked for the usage event (`stream_options.include_usage`)
 
     # -- streaming -----------------------------------------------------------------------------------
     def on_chunk(self, data: bytes) -> bytes | list[bytes]:

@@ -5,6 +5,13 @@ entry; SGLang takes both fields (recent versions); a generic OpenAI-compatible s
 (where each puts them in the answer: `openforge.protocols.engine_ids`). On a Responses call forwarded
 untranslated, vLLM takes `enable_response_messages` (ids, no logprobs: docs/engines.md).
 What we add to a request, we remove from the answer, so the toolchain sees the response it asked for.
+
+llama.cpp refuses `logprobs` on a streamed Chat call with tools (400), and its streamed tool-call answer
+leaves out the ids of the tokens its tool-call parser holds back; the whole answer has them all. So such a
+call goes to llama.cpp unstreamed (`unstream`) and the proxy streams the answer to the client (`restream`).
+llama.cpp also renders a Chat request in its own normal form (function tools as name, description and
+parameters only; a message's text parts joined by newlines): `normalize` sends it in that form, so the
+recorded request is what the engine rendered and reconstruct renders the same prompt.
 """
 
 from __future__ import annotations
@@ -55,10 +62,57 @@ def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
         if not body.get("logprobs"):
             body["logprobs"] = True
             injected.append("logprobs")
+            if profile == "llamacpp" and body.get("top_logprobs") is None:
+                body["top_logprobs"] = 1  # llama.cpp's default is 20 alternatives per token; 0 gives no logprobs
+                injected.append("top_logprobs")
     elif body.get("logprobs") is None:
         body["logprobs"] = 1
         injected.append("logprobs")
     return injected
+
+
+def normalize(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
+    """For llama.cpp, rewrite a Chat body in place as the engine renders it; return the fields rewritten."""
+    if profile != "llamacpp" or protocol != "chat":
+        return []
+    changed: list[str] = []
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        normal = [_llamacpp_tool(t) for t in tools]
+        if normal != tools:
+            body["tools"] = normal
+            changed.append("tools")
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            parts = message.get("content") if isinstance(message, dict) else None
+            if isinstance(parts, list) and parts and all(
+                    isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+                message["content"] = "\n".join(p["text"] for p in parts)
+                if "messages" not in changed:
+                    changed.append("messages")
+    return changed
+
+
+def _llamacpp_tool(tool: Any) -> Any:
+    """A function tool as llama.cpp renders it: `{type, function: {name, description, parameters}}`, the
+    description "" and the parameters {} when absent, other fields (`strict`, ...) left out; any other tool
+    unchanged."""
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        return tool
+    return {"type": "function", "function": {"name": fn["name"], "description": fn.get("description") or "",
+                                             "parameters": fn.get("parameters", {})}}
+
+
+def unstream(profile: str, protocol: str, body: dict[str, Any]) -> bool:
+    """Make a streamed llama.cpp Chat body with tools unstreamed, in place (the module's docstring says why);
+    whether it did. The client still gets a stream (`addons/restream.py`)."""
+    if profile != "llamacpp" or protocol != "chat" or body.get("stream") is not True or not body.get("tools"):
+        return False
+    body["stream"] = False
+    body.pop("stream_options", None)
+    return True
 
 
 def strip(obj: Any, injected: list[str]) -> bool:

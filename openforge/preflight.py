@@ -1,8 +1,9 @@
-"""Preflight: check the upstream engine with one minimal chat request before anyone starts a rollout.
+"""Preflight: check the upstream engine with minimal chat requests before anyone starts a rollout.
 
 Why: a wrong key, a model name the engine does not serve, or an engine that returns no token ids only
 shows up hours later as empty flow files or re-tokenized samples. Each check says what is wrong in one
-sentence and what to change; any failed check makes the command exit non-zero.
+sentence and what to change; any failed check makes the command exit non-zero. The last check sends a
+streamed call with a tool, the shape every real CLI sends, as the proxy would forward it to this engine.
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from openforge.addons import profiles
 from openforge.addons.options import Route
 from openforge.addons.wire import mask
+from openforge.protocols.engine_ids import has_token_ids
+from openforge.protocols.sse import events
 
 PROMPT = "Reply with the single word OK."
 MAX_TOKENS = 16
+TOOL = {"type": "function", "function": {"name": "bash", "description": "Run a shell command.", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
 
 
 class PreflightError(ValueError):
@@ -170,6 +176,7 @@ class Preflight:
                 working = (model, sampling)
         if working is not None:
             self._check_token_ids(*working)
+            self._check_tools_stream(*working)
         return self.report
 
     # -- checks ----------------------------------------------------------------------------------------
@@ -304,3 +311,36 @@ class Preflight:
             what = "logprobs but no token ids" if entries else "neither token ids nor logprobs"
             self.report.add("token ids", True, f"{what}: engine profile generic; samples will be re-tokenized, "
                             "not token-exact (vLLM >= 0.10.2 returns ids with return_token_ids)", warn=True)
+
+    def _check_tools_stream(self, model: str, sampling: dict[str, Any]) -> None:
+        """A streamed call with one tool, as the proxy forwards it with the engine profile found above (its
+        token-id fields added; llama.cpp's sent unstreamed, `profiles.unstream`): answered, with token ids."""
+        profile = self.report.profile or "generic"
+        body = self._chat_body(model, sampling, tools=[TOOL], stream=True, stream_options={"include_usage": True})
+        profiles.inject(profile, "chat", body)
+        unstreamed = profiles.unstream(profile, "chat", body)
+        check = "streamed call with tools"
+        resp = self._send("POST", "/v1/chat/completions", body)
+        if resp is None or self._auth_failed(resp):
+            return
+        if resp.status_code != 200:
+            self.report.add(check, False, f"HTTP {resp.status_code}: {_error_message(resp)}: the engine refuses "
+                            f"the call every real CLI makes (streamed, with tools) as the proxy sends it for engine "
+                            f"profile {profile}")
+            return
+        try:
+            chunks = [resp.json()] if unstreamed else [
+                json.loads(data) for _, data, _ in events(resp.content) if data and data.strip() != "[DONE]"]
+        except ValueError:
+            self.report.add(check, False, f"the answer is not {'JSON' if unstreamed else 'an event stream'}: "
+                            f"{resp.text[:120]!r}")
+            return
+        if not any(isinstance(c, dict) and c.get("choices") for c in chunks):
+            self.report.add(check, False, f"the answer has no choices: {resp.text[:160]!r}")
+            return
+        how = "sent unstreamed, streamed to the client by the proxy" if unstreamed else "streamed"
+        if profile == "generic" or any(has_token_ids(c) for c in chunks):
+            self.report.add(check, True, how + ("" if profile == "generic" else ", with token ids"))
+        else:
+            self.report.add(check, True, f"{how}, but without token ids: CLI calls will be re-tokenized, "
+                            "not token-exact", warn=True)

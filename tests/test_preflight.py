@@ -154,3 +154,32 @@ def test_preflight_names_a_cut_by_the_engines_own_length_limit():
     report = Preflight("http://engine:8000", client=client).run()
     message = failed(report.as_dict())["chat m"]
     assert "after 1 token(s)" in message and "own length limit" in message and "cut at max_tokens" not in message
+
+
+def test_preflight_sends_a_streamed_call_with_tools_as_the_proxy_would():
+    """Every real CLI streams with tools: preflight sends that shape with the profile's token-id fields."""
+    with ScriptedEngine() as eng:
+        code, report = run_json("--upstream", eng.url)
+    assert code == 0, report
+    (call,) = [r.body for r in eng.requests if r.path == "/v1/chat/completions" and r.body.get("tools")]
+    assert call["stream"] is True and call["return_token_ids"] is True and call["logprobs"] is True
+    finding = next(f for f in report["findings"] if f["check"] == "streamed call with tools")
+    assert finding["ok"] and not finding["warn"] and "with token ids" in finding["message"]
+
+
+@pytest.mark.slow
+def test_preflight_on_the_embedded_engine_checks_the_streamed_tool_call(monkeypatch, tmp_path):
+    """llama.cpp refuses logprobs on a streamed call with tools (400): preflight says "ready" only because
+    the proxy sends that call unstreamed; sent streamed (as the proxy once did), preflight fails naming it."""
+    from openforge import preflight
+    from openforge.engine import EmbeddedEngine
+
+    with EmbeddedEngine(threads=1, log_path=tmp_path / "engine.log") as eng:
+        code, report = run_json("--upstream", eng.url)
+        assert code == 0 and report["profile"] == "llamacpp", report
+        finding = next(f for f in report["findings"] if f["check"] == "streamed call with tools")
+        assert finding["ok"] and "unstreamed" in finding["message"] and "with token ids" in finding["message"]
+        monkeypatch.setattr(preflight.profiles, "unstream", lambda *_: False)
+        code, report = run_json("--upstream", eng.url)
+    assert code == 1
+    assert "logprobs is not supported with tools + stream" in failed(report)["streamed call with tools"]

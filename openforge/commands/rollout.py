@@ -83,6 +83,7 @@ def rollout(
 
     from openforge.rollout import k8s
     from openforge.rollout.episode import hide_environment
+    from openforge.rollout.run_failure import every_episode_failed
     from openforge.rollout.runner import RolloutError, check_proxy, execute, prepare
     from openforge.rollout.sandbox import NOT_PROTECTED
     from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult
@@ -133,3 +134,6 @@ def rollout(
     out_console.print(summary_table("overall", {"all": summary["overall"]}, attempts))
     out_console.print(f"{summary['rewards_posted']} rewards posted in {summary['wall_s']:.1f} s; "
                       f"summary: {out / 'summary.json'}, episodes: {out / 'episodes'}")
+    failed = every_episode_failed(result.results, out / "episodes")
+    if failed:
+        fail(failed, code=1)

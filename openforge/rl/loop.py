@@ -61,6 +61,7 @@ from openforge.rl.services import (
 )
 from openforge.rl.services import publish as publish_weights
 from openforge.rollout.failures import reward_due
+from openforge.rollout.run_failure import every_episode_failed
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
 from openforge.tracking import TrackerError, Trackers
 
@@ -439,6 +440,10 @@ class RLRun:
             void_results(ran)
             self.console.print(f"  the {len(ran)} episodes that ran against the dead engine run again")
         self.control.status()  # every answered call is in the flow file before reconstruct reads it
+        results = [EpisodeResult(**json.loads(x)) for x in (out / "results.jsonl").read_text().splitlines() if x]
+        failed = every_episode_failed(results, out / "episodes")
+        if failed:  # nothing to learn from, and usually the engine or the setup, not the policy
+            raise RLError(f"iteration {i + 1}: {failed} (episodes: {out / 'episodes'})")
 
     def rollout_options(self) -> dict[str, Any]:
         r = self.cfg.rollout
