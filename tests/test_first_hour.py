@@ -254,11 +254,11 @@ def test_choice_enums_offer_what_their_modules_accept() -> None:
     from openforge.commands import engine, proxy, reconstruct, rollout, train
     from openforge.commands import replay as replay_command
     from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
-    from openforge.rollout.runner import BACKENDS, ON_FAILURE
+    from openforge.rollout.runner import BACKENDS
     from openforge.trainer.config import OBJECTIVES
 
     assert tuple(proxy.Profile) == PROFILES and tuple(proxy.Translate) == TRANSLATE
     assert tuple(reconstruct.Advantage) == ADVANTAGES and tuple(reconstruct.GroupBy) == GROUPINGS
     assert tuple(replay_command.Side) == get_args(replay.Side) and tuple(train.Objective) == OBJECTIVES
     assert tuple(engine.Backend) == ("llamacpp", "vllm")
-    assert tuple(rollout.Backend) == BACKENDS and tuple(rollout.OnFailure) == ON_FAILURE
+    assert tuple(rollout.Backend) == BACKENDS  # --on-failure takes CLASS=POLICY too: its own parser checks it
