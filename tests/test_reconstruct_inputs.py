@@ -200,10 +200,12 @@ def test_reconstruct_cli_flow_key_file(tmp_path):
     from mitmproxy.test import tflow
 
     from openforge.commands import reconstruct as reconstruct_cmd
+    from openforge.commands import stats as stats_cmd
     from tests.support.reconstruct_flows import FlowFactory, qwen_path
 
     app = typer.Typer()
     reconstruct_cmd.register(app)
+    stats_cmd.register(app)  # two commands keep the command name an argument of the group
     key = tmp_path / "flow.key"
     key.write_text("k" * 40 + "\n")
     signed = FlowFactory(tmp_path / "flows", seed=17)
