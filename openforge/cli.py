@@ -17,6 +17,7 @@ from openforge.commands import (
     rl,
     rollout,
     stats,
+    tasks,
     train,
 )
 
@@ -47,7 +48,7 @@ def main(version: bool = typer.Option(False, "--version", callback=_print_versio
     pass
 
 
-for module in (proxy, preflight, flows, reconstruct, stats, export, train, engine, replay, rollout, rl, demo):
+for module in (proxy, preflight, flows, reconstruct, stats, export, train, engine, replay, rollout, rl, tasks, demo):
     module.register(app)
 
 

@@ -29,11 +29,11 @@ def write_lines(path: Path, *objs: object) -> Path:
 
 def test_task_file_reads_every_field_and_skips_blank_lines(tmp_path: Path) -> None:
     full = {**GOOD, "id": "t2", "files": {"src/a.py": "x = 1\n"}, "setup": "git init -q", "timeout_s": 30,
-            "toolchains": ["codex"], "metadata": {"split": "dev"}}
+            "toolchains": ["codex"], "metadata": {"split": "dev"}, "solution": "sed -i s/1/2/ src/a.py"}
     [a, b] = read_tasks(write_lines(tmp_path / "t.jsonl", GOOD, "", "   ", full))
     assert a == Task("t1", "fix it", "pytest -q >/dev/null")
     assert b == Task("t2", "fix it", GOOD["verify"], {"src/a.py": "x = 1\n"}, "git init -q", 30.0, ("codex",),
-                     {"split": "dev"})
+                     {"split": "dev"}, "sed -i s/1/2/ src/a.py")
 
 
 BAD_TASKS = [
@@ -55,6 +55,7 @@ BAD_TASKS = [
     ({**GOOD, "files": {"a": 1}}, "field 'files': content of 'a' must be a string"),
     ({**GOOD, "setup": ["ls"]}, "field 'setup': must be a string"),
     ({**GOOD, "metadata": []}, "field 'metadata': must be an object"),
+    ({**GOOD, "solution": ""}, "field 'solution': must be a non-empty string"),
     ([1, 2], "a task is a JSON object, not list"),
     ("{not json", "not JSON"),
 ]
@@ -160,6 +161,11 @@ def test_plan_episodes_are_unique_and_respect_task_toolchains(tmp_path: Path) ->
     assert len({s.workdir for s in specs}) == len(specs) and all(Path(s.workdir).is_absolute() for s in specs)
     spec = specs[0]
     assert EpisodeSpec.from_json(spec.to_json()) == spec  # what the episode process reads back
+
+
+def test_the_reference_solution_never_reaches_an_episode(tmp_path: Path) -> None:
+    [spec] = specs_for([Task("a", "p", "v", solution="echo SECRET-FIX > a.py")], ["codex"], 1, tmp_path)
+    assert spec.task.solution is None and "SECRET-FIX" not in spec.to_json()
 
 
 def result(task: str, toolchain: str, attempt: int, status: str, reward: float | None) -> EpisodeResult:

@@ -35,6 +35,9 @@ class Task:
     timeout_s: float = 600.0
     toolchains: tuple[str, ...] | None = None  # only these toolchains run the task
     metadata: dict[str, Any] = field(default_factory=dict)
+    # the reference fix (docs/tasks.md): a unified diff (`patch -p1` in the workspace) or a shell command;
+    # never in an episode's spec or workspace
+    solution: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from openforge.rollout.spec import Task
 
 ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-FIELDS = {"id", "prompt", "verify", "files", "setup", "timeout_s", "toolchains", "metadata"}
+FIELDS = {"id", "prompt", "verify", "files", "setup", "timeout_s", "toolchains", "metadata", "solution"}
 REQUIRED = ("id", "prompt", "verify")
 
 
@@ -74,9 +74,12 @@ def parse_task(obj: Any) -> Task:
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise _field_error("metadata", "must be an object")
+    solution = obj.get("solution")
+    if solution is not None and (not isinstance(solution, str) or not solution.strip()):
+        raise _field_error("solution", "must be a non-empty string (a unified diff or a shell command)")
     return Task(id=obj["id"], prompt=obj["prompt"], verify=obj["verify"], files=dict(files), setup=setup,
                 timeout_s=float(timeout), toolchains=tuple(toolchains) if toolchains is not None else None,
-                metadata=metadata)
+                metadata=metadata, solution=solution)
 
 
 def read_tasks(path: str | Path) -> list[Task]:
