@@ -163,9 +163,10 @@ def test_plan_episodes_are_unique_and_respect_task_toolchains(tmp_path: Path) ->
     assert EpisodeSpec.from_json(spec.to_json()) == spec  # what the episode process reads back
 
 
-def test_the_reference_solution_never_reaches_an_episode(tmp_path: Path) -> None:
-    [spec] = specs_for([Task("a", "p", "v", solution="echo SECRET-FIX > a.py")], ["codex"], 1, tmp_path)
-    assert spec.task.solution is None and "SECRET-FIX" not in spec.to_json()
+def test_the_reference_solution_and_metadata_never_reach_an_episode(tmp_path: Path) -> None:
+    task = Task("a", "p", "v", solution="echo SECRET-FIX > a.py", metadata={"mutation": "SECRET-OP"})
+    [spec] = specs_for([task], ["codex"], 1, tmp_path)
+    assert spec.task.solution is None and "SECRET" not in spec.to_json()
 
 
 def result(task: str, toolchain: str, attempt: int, status: str, reward: float | None) -> EpisodeResult:

@@ -65,7 +65,7 @@ def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, p
     `out/episodes/<episode>/` (episode = run id, task, toolchain, attempt)."""
     specs: list[EpisodeSpec] = []
     policy = policies(on_failure)
-    for task in (replace(t, solution=None) for t in tasks):  # the reference fix never reaches an episode
+    for task in (replace(t, solution=None, metadata={}) for t in tasks):  # the fix, its origin: never in an episode
         for adapter in adapters:
             if task.toolchains is not None and adapter.name not in task.toolchains:
                 continue
