@@ -8,18 +8,26 @@ exits 3 (the agent's own failure) on the one named."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from openforge.cli import app
+from openforge.rl.config import load_rl_config
+from openforge.rl.loop import RLError, RLRun
 from openforge.rollout.spec import EpisodeResult
 from openforge.taskforge.calibrate import KEPT, TOO_EASY, TOO_HARD, UNMEASURED, parse_band, pass_rates, verdict
+from openforge.trainer.config import ConfigError
 from tests.conftest import ROOT
 from tests.support.toolchain_engine import ToolchainEngine
 
@@ -149,3 +157,78 @@ def test_pass_rates_count_only_the_policys_attempts_and_the_band_is_inclusive() 
     for bad in ("0.1", "a,b", "0.1,0.9,1", "-0.1,0.5", "0.5,nan", [True, 1]):
         with pytest.raises(ValueError):
             parse_band(bad)
+
+
+# --- re-calibration in `openforge rl` -----------------------------------------------------------------------
+
+class Recalibrated(RLRun):
+    """The loop's stage machine on three tasks, with a rollout stage that writes the results `passes` says
+    ({task: attempts passed of 4}, per iteration) for the tasks the loop gives it, and no engine, proxy or
+    model; `stop_at` interrupts that iteration's rollout as Ctrl-C would."""
+
+    def __init__(self, out: Path, passes: list[dict[str, int]], ran: list[list[str]], sets: dict[str, str],
+                 resume: bool = False, stop_at: int | None = None) -> None:
+        tasks = write_tasks(out.parent / "tasks.jsonl", [{"id": t, "prompt": "p", "verify": "true"} for t in "abc"])
+        cfg = load_rl_config(sets={"rollout.tasks": str(tasks), "loop.iterations": "4", **sets})
+        super().__init__(cfg, out, Console(file=io.StringIO()), resume)
+        self.passes, self.ran, self.stop_at = passes, ran, stop_at
+        for stage in ("reconstruct", "train"):
+            setattr(self, stage, lambda i: None)
+
+    def publish(self, i: int) -> None:
+        self.state.version = i + 1
+
+    def rollout(self, i: int) -> None:
+        if i == self.stop_at:
+            raise KeyboardInterrupt
+        self.ran.append([t.id for t in self.tasks])
+        lines = [json.dumps(dataclasses.asdict(result(t.id, k, "ok", float(k <= self.passes[i][t.id]))))
+                 for t in self.tasks for k in range(1, 5)]
+        self.rollout_dir(i).mkdir(parents=True, exist_ok=True)
+        (self.rollout_dir(i) / "results.jsonl").write_text("\n".join(lines) + "\n")
+
+    @contextlib.contextmanager
+    def services(self) -> Iterator[None]:
+        yield
+
+    def summary_line(self, i: int) -> dict[str, Any]:
+        return {"iteration": i, "policy_version": i, "reward_mean": None, "pass_at_k": None, "samples": 0,
+                "attempts": 4, "toolchains": {}}
+
+
+def test_rl_drops_the_tasks_that_left_the_band_every_n_iterations_and_remembers_across_resume(
+        tmp_path: Path) -> None:
+    passes = [{"a": 4, "b": 2, "c": 0}, {"a": 4, "b": 2, "c": 1}, {"b": 4, "c": 1}, {"b": 4, "c": 1}]
+    sets = {"tasks.recalibrate_every": "2", "tasks.band": "0.25,0.75"}
+    ran: list[list[str]] = []
+    with pytest.raises(KeyboardInterrupt):  # in iteration 3, after the re-calibration of iteration 2
+        Recalibrated(tmp_path / "run", passes, ran, sets, stop_at=2).run()
+    Recalibrated(tmp_path / "run", passes, ran, sets, resume=True).run()
+    # c at 0.0 in iteration 1 is not looked at (only every 2nd); after iteration 2, a (1.0) goes, c (0.25) stays;
+    # after iteration 4, the last, nothing is re-calibrated (no iteration follows)
+    assert ran == [["a", "b", "c"], ["a", "b", "c"], ["b", "c"], ["b", "c"]]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "rl.jsonl").read_text().splitlines()]
+    assert [x.get("recalibrated") for x in lines] == [None, {
+        "band": [0.25, 0.75], "dropped": {"a": "too easy: pass rate 1.00 of 4 attempts"}, "tasks_left": 2},
+        None, None]
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert state["dropped"] == {"a": "too easy: pass rate 1.00 of 4 attempts"}
+
+
+def test_rl_never_drops_the_last_task(tmp_path: Path) -> None:
+    passes = [{"a": 4, "b": 0, "c": 4}] * 2
+    with pytest.raises(RLError, match=r"re-calibration after iteration 1: every task left the band 0.1..0.9 \(a: "
+                                      r"too easy: pass rate 1.00 of 4 attempts; b: too hard: pass rate 0.00 .*"
+                                      r"widen it \(--set tasks.band=LO,HI\)"):
+        Recalibrated(tmp_path / "run", passes, [], {"tasks.recalibrate_every": "1"}).run()
+    assert json.loads((tmp_path / "run" / "state.json").read_text())["dropped"] == {}
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    ({"tasks.band": "0.9,0.1"}, "tasks.band: the band needs 0 <= LO <= HI <= 1"),
+    ({"tasks.band": "0.1"}, "tasks.band: the band is two pass rates LO,HI"),
+    ({"tasks.recalibrate_every": "-1"}, "tasks.recalibrate_every must be >= 0"),
+])
+def test_rl_task_settings_errors(sets: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_rl_config(sets=sets)

@@ -89,6 +89,17 @@ def verdict(pass_rate: float | None, band: tuple[float, float]) -> str:
     return TOO_EASY if pass_rate > hi else TOO_HARD if pass_rate < lo else KEPT
 
 
+def out_of_band(rates: dict[str, TaskRate], band: tuple[float, float]) -> dict[str, str]:
+    """{task id: why} for the tasks whose pass rate lies outside `band`: 'too easy: pass rate 1.00 of 4
+    attempts' (a task with no attempt counted is not among them: nothing says it left)."""
+    out = {}
+    for task_id, rate in rates.items():
+        why = verdict(rate.pass_rate, band)
+        if why in (TOO_EASY, TOO_HARD):
+            out[task_id] = f"{why}: pass rate {rate.pass_rate:.2f} of {rate.attempts} attempts"
+    return out
+
+
 def policy_version(proxy: str, client_token: str | None = None, timeout: float = 10.0) -> int | None:
     """The policy version the proxy stamps on new calls (`GET /openforge/v1/policy`), None when it does not
     say (an older proxy, or no answer)."""
