@@ -128,14 +128,15 @@ def test_pass_rates_band_filter_and_metadata_through_the_proxy(proxy: Any, tmp_p
     (["--attempts", "0"], "--attempts must be >= 1, not 0"),
     (["--tasks-missing"], "no such task file"),
     (["--proxy-ftp"], "--proxy must be the proxy's http(s) URL"),
+    (["--out-nowhere"], "--out: no such directory"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     tasks = write_tasks(tmp_path / "tasks.jsonl", TASKS[:1])
     proxy = "ftp://x" if args == ["--proxy-ftp"] else "http://127.0.0.1:9"
     path = tmp_path / "missing.jsonl" if args == ["--tasks-missing"] else tasks
-    extra = [] if args[0] in ("--tasks-missing", "--proxy-ftp") else args
-    done = invoke(str(path), "--proxy", proxy, "--toolchain", "tool-agent", "--out", str(tmp_path / "o.jsonl"),
-                  *extra)
+    out = tmp_path / "nowhere" / "o.jsonl" if args == ["--out-nowhere"] else tmp_path / "o.jsonl"
+    extra = [] if args[0] in ("--tasks-missing", "--proxy-ftp", "--out-nowhere") else args
+    done = invoke(str(path), "--proxy", proxy, "--toolchain", "tool-agent", "--out", str(out), *extra)
     assert done.exit_code == 2, done.output
     assert message in done.output and "Traceback" not in done.output, done.output
     assert not (tmp_path / "o.jsonl").exists()

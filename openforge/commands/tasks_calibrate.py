@@ -73,6 +73,8 @@ def calibrate(
         fail(f"no such task file: {tasks}")
     if out.resolve() == tasks.resolve():
         fail("--out must be another file than the task file")
+    if not out.parent.is_dir():
+        fail(f"--out: no such directory {out.parent}")
     hide_environment()  # this process holds the reward token
     client_token, reward_token = os.environ.pop(CLIENT_TOKEN_ENV, None), os.environ.pop(REWARD_TOKEN_ENV, None)
     if no_sandbox:
