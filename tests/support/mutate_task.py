@@ -35,7 +35,8 @@ def mutate_task(task_id: str = "calc-ops-add-binop") -> dict[str, Any]:
                   "(add(2, 3) returned -1). Find the bug in the package and fix it; do not change the tests.",
         "files": {"calc/__init__.py": "", "calc/ops.py": MUTATED, "tests/test_ops.py": TESTS,
                   "pyproject.toml": '[tool.pytest.ini_options]\npythonpath = ["."]\n'},
-        "verify": f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider tests",
+        # pytest's report on stderr: a verifier's stdout is its reward (exit 0 -> 1.0, 1 -> 0.0 when empty)
+        "verify": f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider tests >&2",
         "solution": SOLUTION,
         "timeout_s": 120,
         "metadata": {"source": "mutate", "mutation": {"operator": "binop-swap", "file": "calc/ops.py", "line": 2}},
