@@ -169,8 +169,8 @@ def calibrate(tasks: str | Path, toolchains: Sequence[str], *, proxy: str, out: 
     lies in `band` to `out` with their calibration in `metadata`, and every task's figures to
     `rollout_dir/calibration.json` (default: OUT.rollout/ beside `out`). RolloutError for bad input, as
     `run` raises it (nothing run, nothing written); CalibrationFailed when every episode failed (nothing
-    written). `on_start` gets the number of episodes planned, `on_done`
-    each result. The policy version is the proxy's as the run starts."""
+    written). `on_start` gets the number of episodes planned, `on_done` each result. The policy version is
+    the proxy's as the run starts."""
     from openforge.rollout import run
 
     tasks, out = Path(tasks), Path(out)
