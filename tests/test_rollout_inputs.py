@@ -56,6 +56,8 @@ BAD_TASKS = [
     ({**GOOD, "setup": ["ls"]}, "field 'setup': must be a string"),
     ({**GOOD, "metadata": []}, "field 'metadata': must be an object"),
     ({**GOOD, "solution": ""}, "field 'solution': must be a non-empty string"),
+    ({**GOOD, "editable": "a.py"}, "field 'editable': must be a list of paths"),
+    ({**GOOD, "files": {"a.py": ""}, "editable": ["b.py"]}, "field 'editable': 'b.py' is not one of the task's"),
     ([1, 2], "a task is a JSON object, not list"),
     ("{not json", "not JSON"),
 ]

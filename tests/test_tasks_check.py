@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,19 @@ def test_a_solution_that_changes_a_shipped_file_is_explained() -> None:
     report = check_task(task)
     assert statuses(report)["solution_passes"] == "fail"
     assert "changes calc.py, which the task ships in `files`" in detail(report, "solution_passes")
+    assert "list it in `editable`" in detail(report, "solution_passes")
+    # listed in `editable`, the shipped code is the agent's to change: the fix counts
+    report = check_task(replace(task, editable=("calc.py",)))
+    assert statuses(report)["solution_passes"] == "pass", report
+
+
+def test_a_shipped_code_file_made_editable_is_fixable_and_an_editable_test_is_caught() -> None:
+    code = "def add(a, b):\n    return a - b\n"
+    task = bug_task(setup=None, files={"test_calc.py": TEST, "calc.py": code}, editable=("calc.py",))
+    assert check_task(task).passed
+    report = check_task(replace(task, editable=("calc.py", "test_calc.py")))
+    assert statuses(report)["not_fooled"] == "fail"
+    assert "test_calc.py listed in `editable`" in detail(report, "not_fooled")
 
 
 def test_a_random_verify_fails_deterministic() -> None:

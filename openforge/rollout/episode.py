@@ -295,14 +295,15 @@ def special_files(directory: str, names: list[str]) -> set[str]:
 def verify_in_copy(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str],
                    out: Path) -> tuple[int | None, float]:
     """(exit code or None on timeout, seconds) of the task's verifier, run in `work.verify/`: a fresh copy of
-    the workspace with the task's own files written over it, and a fresh HOME."""
+    the workspace with the task's own files (but the `editable` ones) written over it, and a fresh HOME."""
     work = Path(spec.workdir)
     copy, home = work.with_name(work.name + ".verify"), out / "verify-home"
     for d in (copy, home):
         shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(work, copy, symlinks=True, ignore=special_files)
     for rel, content in spec.task.files.items():
-        write_under(copy, rel, content)
+        if rel not in spec.task.editable:
+            write_under(copy, rel, content)
     home.mkdir()
     box.prepare(copy, home)
     with box.step(["bash", "-c", spec.task.verify], cwd=copy, writable=[copy, home], network=False) as (argv, popen):

@@ -38,6 +38,8 @@ class Task:
     # the reference fix (docs/tasks.md): a unified diff (`patch -p1` in the workspace) or a shell command;
     # never in an episode's spec or workspace
     solution: str | None = None
+    # paths of `files` the agent is to change: written before the agent, not restored before the verifier
+    editable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class EpisodeSpec:
             raise ValueError(f"episode spec version {data.get('version')!r}, this OpenForge reads {SPEC_VERSION}")
         task = dict(data.pop("task"))
         task["toolchains"] = tuple(task["toolchains"]) if task.get("toolchains") is not None else None
+        task["editable"] = tuple(task.get("editable", ()))
         adapter = dict(data.pop("adapter"))
         adapter["command"] = tuple(adapter["command"])
         data["on_failure"] = policies(data.get("on_failure"))  # older specs: one policy for every class

@@ -15,7 +15,7 @@ from typing import Any
 from openforge.rollout.spec import Task
 
 ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-FIELDS = {"id", "prompt", "verify", "files", "setup", "timeout_s", "toolchains", "metadata", "solution"}
+FIELDS = {"id", "prompt", "verify", "files", "setup", "timeout_s", "toolchains", "metadata", "solution", "editable"}
 REQUIRED = ("id", "prompt", "verify")
 
 
@@ -77,9 +77,15 @@ def parse_task(obj: Any) -> Task:
     solution = obj.get("solution")
     if solution is not None and (not isinstance(solution, str) or not solution.strip()):
         raise _field_error("solution", "must be a non-empty string (a unified diff or a shell command)")
+    editable = obj.get("editable", [])
+    if not isinstance(editable, list) or not all(isinstance(p, str) for p in editable):
+        raise _field_error("editable", "must be a list of paths of `files`")
+    for path in editable:
+        if path not in files:
+            raise _field_error("editable", f"{path!r} is not one of the task's `files`")
     return Task(id=obj["id"], prompt=obj["prompt"], verify=obj["verify"], files=dict(files), setup=setup,
                 timeout_s=float(timeout), toolchains=tuple(toolchains) if toolchains is not None else None,
-                metadata=metadata, solution=solution)
+                metadata=metadata, solution=solution, editable=tuple(editable))
 
 
 def read_tasks(path: str | Path) -> list[Task]:

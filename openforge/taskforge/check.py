@@ -150,12 +150,12 @@ def _said(path: Path) -> str:
 
 def _restored_note(task: Task, work: Path) -> str:
     """Why a solution that changes a file the task ships cannot count: verify restores those files."""
-    changed = [rel for rel, content in task.files.items()
-               if not (work / rel).is_file() or (work / rel).read_text(errors="replace") != content]
+    changed = [rel for rel, content in task.files.items() if rel not in task.editable
+               and (not (work / rel).is_file() or (work / rel).read_text(errors="replace") != content)]
     if not changed:
         return ""
     return (f"; the solution changes {', '.join(sorted(changed))}, which the task ships in `files`: "
-            "restored before every verify, so no change to it counts (create such files in `setup`)")
+            "restored before every verify, so no change to it counts (list it in `editable`)")
 
 
 def shipped_tests(task: Task) -> list[str]:
@@ -169,7 +169,7 @@ def named_agent_files(task: Task, *workspaces: Path) -> list[str]:
     found = {ANSWER_FILE}
     for word in PATH_WORD.findall(task.verify):
         word = word.rstrip(".")
-        if word in task.files or relative_path(word) or word.startswith("-"):
+        if (word in task.files and word not in task.editable) or relative_path(word) or word.startswith("-"):
             continue
         if PurePosixPath(word).suffix in DATA_SUFFIXES or any((w / word).is_file() for w in workspaces):
             found.add(word)
@@ -263,6 +263,9 @@ class Checker:
         tests = shipped_tests(task)
         if not tests:
             return "skip", "the task ships no tests: what the agent writes is what the verifier grades"
+        if editable := [t for t in tests if t in task.editable]:
+            return "fail", (f"{', '.join(editable)} listed in `editable`: the verifier runs the agent's copy of "
+                            "these tests")
         if untouched_passes:
             return "skip", "the untouched workspace passes already (noop_fails): a fake proves nothing more"
         fakeable = named_agent_files(task, untouched.work, *([solved.work] if solved else []))
