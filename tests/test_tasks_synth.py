@@ -18,7 +18,6 @@ from typer.testing import CliRunner
 from openforge.addons.flowfile import expand_paths, open_flow_file
 from openforge.cli import app
 from openforge.rollout.tasks import read_tasks
-from openforge.taskforge import cost
 from openforge.taskforge.synth import stage_of
 from tests.conftest import ROOT
 from tests.support.forge_engine import ForgeEngine

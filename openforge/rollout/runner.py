@@ -356,8 +356,9 @@ def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter],
         sandbox: str = "bwrap", client_token: str | None = None, reward_token: str | None = None,
         role: str | None = None) -> Rollout:
     """`openforge rollout` as a function (docs/rollouts.md): `prepare`, `check_proxy` (local), then
-    `execute`; `role`: the proxy's role for the agents' calls (a validator's, say). Tokens: the arguments, else $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError
-    for bad input, a sandbox that cannot run here or a proxy that does not answer (nothing run)."""
+    `execute`; `role`: the proxy's role for the agents' calls (a validator's, say). Tokens: the arguments,
+    else $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError for bad input, a sandbox that
+    cannot run here or a proxy that does not answer (nothing run)."""
     run_id, specs = prepare(tasks, toolchains, proxy=proxy, out=out, attempts=attempts, concurrency=concurrency,
                             on_failure=on_failure, fresh_verify_copy=fresh_verify_copy,
                             pass_threshold=pass_threshold, backend=backend, run_id=run_id, sandbox=sandbox,
