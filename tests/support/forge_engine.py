@@ -3,8 +3,9 @@ implementations, repairs) and the validator's agent (the example tool-agent's co
 
 The script, per candidate title, is a list of answers, one per implement / repair round (the last one
 repeats). It starts with an answer in prose to the proposal call, so the proposal repair path runs too.
-The validator answers the tool-agent's question after one calculator call: a 'TASK PROBLEM:' line when the
-task's prompt contains AMBIGUOUS_MARK, else a plain answer.
+The validator answers the tool-agent's question at once (a tool call would not fit the agent's 64 tokens
+in this engine's byte tokens): a 'TASK PROBLEM:' line when the task's prompt contains AMBIGUOUS_MARK, else
+a plain answer.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from tests.support.toolchain_engine import ToolchainEngine
 
 PY = sys.executable
 AMBIGUOUS_MARK = "whichever"
-BUGGY = "def add(a, b):\n    return a - b\n"
-FIXED = "def add(a, b):\n    return a + b\n"
-VERIFY = f"{PY} -c \"import calc, sys; sys.exit(0 if calc.add(2, 3) == 5 else 1)\""
+BUGGY = "a - b"
+FIXED = "a + b"
+VERIFY = f"{PY} -c \"import sys; sys.path.insert(0, '.'); import calc; sys.exit(0 if calc.add(2, 3) == 5 else 1)\""
 SOLUTION = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
 
 
-def calc_task(prompt: str, content: str) -> str:
-    return json.dumps({"prompt": prompt, "files": {"calc.py": content}, "setup": None, "verify": VERIFY,
-                       "solution": SOLUTION, "timeout_s": 60})
+def calc_task(prompt: str, body: str) -> str:
+    """A bug-fix task whose module is written by `setup` (shipped files are restored before verify)."""
+    setup = f"printf 'def add(a, b):\\n    return {body}\\n' > calc.py"
+    return json.dumps({"prompt": prompt, "files": {"README.md": "A calculator.\n"}, "setup": setup,
+                       "verify": VERIFY, "solution": SOLUTION, "timeout_s": 60})
 
 
 GOOD = calc_task("calc.add(2, 3) returns -1; it should return 5. Fix calc.py.", BUGGY)
@@ -61,11 +64,9 @@ class ForgeEngine(ToolchainEngine):
         if first != prompts.SYSTEM:
             with self._lock:
                 self.calls["validator"] += 1
-            if msgs and msgs[-1].get("role") == "tool":
-                question = content_text(next(m for m in reversed(msgs) if m.get("role") == "user").get("content"))
-                answer = "TASK PROBLEM: which function?" if AMBIGUOUS_MARK in question else "Fixed."
-                return self._text(answer, str(len(msgs)))
-            return super().reply(conv)
+            question = content_text(next(m for m in reversed(msgs) if m.get("role") == "user").get("content"))
+            answer = "TASK PROBLEM: which function?" if AMBIGUOUS_MARK in question else "Fixed."
+            return self._text(answer, str(len(msgs)))
         with self._lock:
             self.calls["synthesis"] += 1
         asks = content_text(msgs[1].get("content"))
