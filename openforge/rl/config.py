@@ -13,10 +13,12 @@ from typing import Any
 
 from openforge.engine import MIN_CONTEXT
 from openforge.rollout.failures import DEFAULT_POLICY, policies
+from openforge.taskforge.calibrate import DEFAULT_BAND, parse_band
 from openforge.tracking import TRACKERS
 from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config
 
 ENGINES = ("llamacpp", "vllm")
+KINDS = {int: "integers", float: "numbers", str: "strings"}  # a list setting's element type, in its errors
 LOOP_SET = ("db", "model", "out", "where")  # [train] fields the loop owns
 
 
@@ -89,6 +91,14 @@ class EvalSettings:
 
 
 @dataclass
+class TaskSettings:
+    # docs/rl.md: every N iterations, the tasks whose pass rate in that iteration's rollouts left the band
+    # (bounds inclusive) are dropped from the next iterations
+    recalibrate_every: int = 0    # 0 = never
+    band: list[float] = field(default_factory=lambda: list(DEFAULT_BAND))
+
+
+@dataclass
 class TrackingSettings:
     trackers: list[str] = field(default_factory=list)  # tensorboard, wandb, mlflow (docs/tracking.md)
     project: str = "openforge"    # W&B project, MLflow experiment
@@ -109,6 +119,7 @@ class RLConfig:
     loop: LoopSettings = field(default_factory=LoopSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
+    tasks: TaskSettings = field(default_factory=TaskSettings)
     train: dict[str, Any] = field(default_factory=lambda: dict(TRAIN_DEFAULTS))
 
     def validate(self) -> RLConfig:
@@ -138,6 +149,7 @@ class RLConfig:
             (self.loop.iterations >= 1, "loop.iterations must be >= 1"),
             (self.loop.window >= 1, "loop.window must be >= 1"),
             (self.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),
+            (self.tasks.recalibrate_every >= 0, "tasks.recalibrate_every must be >= 0 (0 = never)"),
             (not (self.eval.tasks and self.eval.split), "eval.tasks and eval.split: give one of them"),
             (0 <= self.eval.split < 1, f"eval.split must be in [0, 1), not {self.eval.split:g}"),
             (self.eval.every >= 1 and self.eval.samples >= 1 and self.eval.max_tasks >= 0,
@@ -151,6 +163,10 @@ class RLConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        try:
+            parse_band(self.tasks.band)
+        except ValueError as e:
+            raise ConfigError(f"tasks.band: {e}") from None
         self.train_config("", "", "")  # every [train] key known and in range
         return self
 
@@ -187,7 +203,7 @@ def _toml_value(v: Any) -> str:
 
 def _section_value(section: str, key: str, value: Any, default: Any) -> Any:
     """A TOML value or a `--set` string as the field's type (lists: TOML arrays or comma-separated, of the
-    default's element type: strings, or integers for eval.k)."""
+    default's element type: strings, integers for eval.k, numbers for tasks.band)."""
     name = f"{section}.{key}"
     if name == "rollout.on_failure":
         try:
@@ -195,14 +211,15 @@ def _section_value(section: str, key: str, value: Any, default: Any) -> Any:
         except ValueError as e:
             raise ConfigError(f"{name}: {e}") from None
     if isinstance(default, list):
-        kind = int if name == "eval.k" else str
+        kind = {"eval.k": int, "tasks.band": float}.get(name, str)
         items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
         try:
-            if isinstance(items, list) and all(isinstance(v, (str, kind)) and not isinstance(v, bool) for v in items):
+            accepted = (str, int, float) if kind is float else (str, kind)
+            if isinstance(items, list) and all(isinstance(v, accepted) and not isinstance(v, bool) for v in items):
                 return [kind(v) for v in items]
         except ValueError:
             pass
-        raise ConfigError(f"{name}: expected a list of {'integers' if kind is int else 'strings'}, got {value!r}")
+        raise ConfigError(f"{name}: expected a list of {KINDS[kind]}, got {value!r}")
     return coerce(name, value, default)
 
 

@@ -63,6 +63,7 @@ from openforge.rl.services import publish as publish_weights
 from openforge.rollout.failures import reward_due
 from openforge.rollout.run_failure import every_episode_failed
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
+from openforge.taskforge.calibrate import out_of_band, parse_band, pass_rates
 from openforge.tracking import TrackerError, Trackers
 
 STAGES = ("eval", "rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
@@ -76,7 +77,7 @@ RL_MISMATCHES = """CREATE TABLE IF NOT EXISTS rl_reward_mismatches (
     iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, result_reward DOUBLE, db_reward DOUBLE)"""
 REWARD_TOLERANCE = 1e-9
 UNTRACKED = ("iteration", "policy_version", "run_id", "tasks", "train_step_range", "checkpoint", "served", "eval",
-             "attempts")  # rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
+             "attempts", "recalibrated")  # rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
 
 
 class RLError(RuntimeError):
@@ -97,6 +98,7 @@ class State:
     restarts: int = 0  # engine restarts after it died (each one also names reruns, as a resume does)
     train_start_step: int = -1  # the trainer's step when this iteration's training began (-1: not yet)
     checkpoint: str = ""  # what this iteration trained ("" = nothing: no samples, or not yet)
+    dropped: dict[str, str] = field(default_factory=dict)  # task id -> why re-calibration dropped it
     seconds: dict[str, float] = field(default_factory=dict)
     format: int = STATE_VERSION
 
@@ -165,6 +167,7 @@ class RLRun:
         self.client_token, self.reward_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
         self._restarted_in = -1  # the iteration in which the engine was last restarted
         self.tasks, self.eval_tasks = self._check_rollout()
+        self.tasks = [t for t in self.tasks if t.id not in self.state.dropped]
         self.secret_files: dict[str, Path] = {}
         self.trackers: Trackers | None = None
         self.policy: Policy | None = None
@@ -341,16 +344,44 @@ class RLRun:
             s.stage = STAGES[STAGES.index(stage) + 1]
             s.save(self.state_path)
         line = self.summary_line(i)
+        dropped = self.recalibrate(i)
+        if dropped is not None:
+            line["recalibrated"] = {"band": list(self.cfg.tasks.band), "dropped": dropped,
+                                    "tasks_left": len(self.tasks) - len(dropped)}
         keep_lines_before(self.out / "rl.jsonl", i)  # a line an interruption left after it was written
         with (self.out / "rl.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
         self.track("rl", {k: v for k, v in line.items() if k not in UNTRACKED}, i)
+        s.dropped.update(dropped or {})
+        self.tasks = [t for t in self.tasks if t.id not in s.dropped]
         s.iteration, s.stage = i + 1, STAGES[0]
         s.save(self.state_path)
         reward = "-" if line["reward_mean"] is None else f"{line['reward_mean']:.3f}"
         self.console.print(f"iteration {i + 1}: reward {reward}, pass@{self.cfg.rollout.attempts} "
                            f"{_pct(line['pass_at_k'])}, {line['samples']} samples, now serving policy version "
                            f"{s.version}")
+
+    def recalibrate(self, i: int) -> dict[str, str] | None:
+        """Every tasks.recalibrate_every iterations, before the next one: the tasks whose pass rate in this
+        iteration's rollouts left tasks.band ({task id: why}), from the results already there (no extra
+        rollout); a task with no attempt counted stays. None when it is not the time; RLError when no task
+        would be left."""
+        every, r = self.cfg.tasks.recalibrate_every, self.cfg.rollout
+        if not every or (i + 1) % every or i + 1 >= self.cfg.loop.iterations:
+            return None
+        band = parse_band(self.cfg.tasks.band)
+        results = [EpisodeResult(**json.loads(x)) for x in
+                   (self.rollout_dir(i) / "results.jsonl").read_text().splitlines() if x]
+        dropped = out_of_band(pass_rates(results, r.pass_threshold, r.on_failure), band)
+        if dropped and not {t.id for t in self.tasks} - dropped.keys():
+            shown = "; ".join(f"{k}: {v}" for k, v in list(dropped.items())[:3])
+            raise RLError(f"re-calibration after iteration {i + 1}: every task left the band {band[0]:g}..{band[1]:g} "
+                          f"({shown}): nothing left to train on; widen it (--set tasks.band=LO,HI) or turn it off "
+                          f"(--set tasks.recalibrate_every=0)")
+        if dropped:
+            self.console.print(f"  re-calibration: {len(dropped)} tasks left the band {band[0]:g}..{band[1]:g} and "
+                               f"are dropped: {', '.join(dropped)}; {len(self.tasks) - len(dropped)} tasks left")
+        return dropped
 
     def rollout_dir(self, i: int) -> Path:
         return self.out / "iterations" / f"{i:03d}" / "rollout"
