@@ -14,7 +14,8 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from openforge.taskforge import cost, prompts
 
 SYNTHESIS, VALIDATOR = "synthesis", "validator"
 STAGES = ("propose", "implement", "repair", "validate")
+STEPS = ("propose", "implement", "repair", "check", "validate")  # where the run's own seconds go
 MAX_TOKENS = 4096
 
 
@@ -62,6 +64,7 @@ class Outcome:
     cost: dict[str, Any] = field(default_factory=cost.empty)
     by_stage: dict[str, dict[str, Any]] = field(default_factory=dict)
     wall_s: float = 0.0
+    seconds: dict[str, float] = field(default_factory=dict)  # the run's wall seconds per step (STEPS)
 
     @property
     def reasons(self) -> dict[str, int]:
@@ -74,6 +77,7 @@ class Outcome:
     def summary(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "proposed": self.proposed, "accepted": len(self.accepted),
                 "rejected": len(self.rejected), "reasons": self.reasons, "wall_s": round(self.wall_s, 3),
+                "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
                 "cost": self.cost, "cost_per_accepted": self.per_accepted, "by_stage": self.by_stage,
                 "rejected_candidates": [r.__dict__ for r in self.rejected]}
 
@@ -132,6 +136,15 @@ class Synth:
     client_token: str | None = None
     run_id: str = field(default_factory=lambda: time.strftime("%Y%m%dT%H%M%S") + secrets.token_hex(2))
     on_candidate: Callable[[str, str], None] = lambda candidate, state: None  # progress: (candidate, state)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEPS, 0.0))
+
+    @contextmanager
+    def _timed(self, step: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[step] += time.monotonic() - started
 
     # -- stages --------------------------------------------------------------------------------------------
     def propose(self) -> list[dict[str, str]]:
@@ -142,7 +155,8 @@ class Synth:
         problem = ""
         for attempt in range(self.repairs + 1):
             try:
-                text = self.model.chat(SYNTHESIS, f"{self.run_id}.propose{attempt}", messages)
+                with self._timed("propose"):
+                    text = self.model.chat(SYNTHESIS, f"{self.run_id}.propose{attempt}", messages)
             except ModelError as e:
                 raise SynthError(f"the proposal call failed: {e}") from None
             messages.append({"role": "assistant", "content": text})
@@ -166,7 +180,8 @@ class Synth:
             stage = "implement" if attempt == 0 else f"repair{attempt}"
             self.on_candidate(cid, stage)
             try:
-                text = self.model.chat(SYNTHESIS, f"{self.run_id}.{cid}.{stage}", messages)
+                with self._timed(stage_of(stage)):
+                    text = self.model.chat(SYNTHESIS, f"{self.run_id}.{cid}.{stage}", messages)
             except ModelError as e:
                 return Rejected(cid, candidate["title"], "model_error", str(e))
             messages.append({"role": "assistant", "content": text})
@@ -204,7 +219,8 @@ class Synth:
         return task, Problem("", "")
 
     def _check(self, task: Task) -> Problem | None:
-        report = self.checker(task)
+        with self._timed("check"):
+            report = self.checker(task)
         if report.passed:
             return None
         first = report.failures[0]
@@ -220,10 +236,11 @@ class Synth:
         out = self.work / f"{cid}-validate{attempt}"
         attempt_task = replace(task, id=cid, prompt=task.prompt + prompts.VALIDATOR_NOTE, toolchains=None)
         try:
-            result = rollout([attempt_task], [self.toolchain], proxy=self.proxy, out=out,
-                             attempts=self.validator_attempts, run_id=f"{self.run_id}.{cid}.validate{attempt}",
-                             sandbox=self.sandbox, client_token=self.client_token, role=VALIDATOR,
-                             on_failure="zero")
+            with self._timed("validate"):
+                result = rollout([attempt_task], [self.toolchain], proxy=self.proxy, out=out,
+                                 attempts=self.validator_attempts,
+                                 run_id=f"{self.run_id}.{cid}.validate{attempt}", sandbox=self.sandbox,
+                                 client_token=self.client_token, role=VALIDATOR, on_failure="zero")
         except RolloutError as e:
             return Problem("validator_error", str(e))
         results = result.results
@@ -258,6 +275,7 @@ class Synth:
                 outcome.rejected.append(built)
             self.on_candidate(candidate["id"], "accepted" if isinstance(built, Task) else "rejected")
         outcome.wall_s = time.monotonic() - started
+        outcome.seconds = dict(self.seconds)
         return outcome
 
     def account(self, outcome: Outcome, flow_dir: Path, flow_key: bytes | None = None) -> None:
