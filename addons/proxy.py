@@ -277,7 +277,7 @@ class OpenForge:
             self.calllog.line(flow, ex, "ERR")
             return
         s = self.settings
-        upstream = s.for_role(ex.role).upstream_display if s is not None else "engine"
+        upstream = "engine" if s is None else (s if ex.protocol == "other" else s.for_role(ex.role)).upstream_display
         page = errors.error_response(ex, 502, f"OpenForge: upstream {upstream} failed: {ex.error}", "upstream_error")
         page.headers["connection"] = "close"  # mitmproxy closes the client's connection after its error page
         if flow.error is not None:
