@@ -325,6 +325,8 @@ def check_task(task: Task, *, noop_max: float = 0.0, sandbox: str = "bwrap",
     if why := sandboxes.unavailable(sandbox):
         raise ValueError(why)
     with _task_root(work_root, task.id) as root:
+        if sandbox == "uid":
+            root.chmod(0o711)  # the unprivileged uid passes through to the workspaces it is given
         return Checker(task, noop_max, sandbox, root, dict(os.environ)).run()
 
 
