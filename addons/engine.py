@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 
 from mitmproxy import http
@@ -16,6 +17,19 @@ from . import options, profiles
 
 logger = logging.getLogger("openforge")
 UPSTREAM_OK_TTL = 2.0  # seconds a successful upstream answer vouches for reachability (skips the probe)
+ROLE_UPSTREAM_TIMEOUT = 3.0  # seconds a role's own upstream has to accept a connection when the proxy starts
+
+
+def check_role_upstreams(s: options.Settings) -> None:
+    """BadOption naming the first role whose own upstream does not accept a connection: a validator routed
+    to a hosted model that is not there would fail every call of every episode, so the proxy does not start."""
+    for role, up in s.role_upstreams().items():
+        try:
+            socket.create_connection((up.host, up.port), ROLE_UPSTREAM_TIMEOUT).close()
+        except OSError as e:
+            why = "connect timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+            raise options.BadOption(f"role {role!r}: its upstream {up.display} is not reachable ({why}); start it "
+                                    "or fix the role's 'upstream' in openforge_models") from None
 
 
 class Engine:

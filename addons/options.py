@@ -12,7 +12,7 @@ import json
 import math
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -124,11 +124,30 @@ class BadOption(ValueError):
 
 
 @dataclass(frozen=True)
+class Upstream:
+    """Where a role's calls go instead of `openforge_upstream_url` (a hosted validator, say), with its key."""
+
+    url: str
+    scheme: str
+    host: str
+    port: int
+    prefix: str  # base path without a trailing /v1
+    key: str = field(default="", repr=False)
+
+    @property
+    def display(self) -> str:
+        """The URL without any user:password part, for logs and error messages."""
+        return f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
+
+
+@dataclass(frozen=True)
 class Route:
-    """One role's routing: model name patterns -> engine model id, plus forced sampling parameters."""
+    """One role's routing: model name patterns -> engine model id, forced sampling parameters, and the
+    upstream its calls go to when not the proxy's own."""
 
     models: dict[str, str] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
+    upstream: Upstream | None = None
 
     def upstream_model(self, model: str) -> str:
         if model in self.models:
@@ -165,6 +184,7 @@ class Settings:
     flow_key: bytes | None = field(default=None, repr=False)
     policy_version: int = 0
     pause_timeout: float = 300.0
+    _by_role: dict[str, Settings] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def guarded(self) -> bool:
@@ -181,6 +201,23 @@ class Settings:
 
     def route(self, role: str) -> Route | None:
         return self.routes.get(role) or self.routes.get("*")
+
+    def for_role(self, role: str) -> Settings:
+        """These settings with the upstream (URL and key) the role's route names; these when it names none."""
+        route = self.route(role)
+        up = route.upstream if route is not None else None
+        if up is None:
+            return self
+        found = self._by_role.get(up.url)
+        if found is None:
+            found = self._by_role[up.url] = replace(
+                self, upstream_url=up.url, upstream_scheme=up.scheme, upstream_host=up.host, upstream_port=up.port,
+                upstream_prefix=up.prefix, upstream_key=up.key, _by_role={})
+        return found
+
+    def role_upstreams(self) -> dict[str, Upstream]:
+        """Each role that names its own upstream, with it."""
+        return {role: route.upstream for role, route in self.routes.items() if route.upstream is not None}
 
     @property
     def upstream_display(self) -> str:
@@ -200,16 +237,7 @@ def parse(values: dict[str, str]) -> Settings:
     if not url:
         raise BadOption("openforge_upstream_url is not set: give the engine's base URL with "
                         "--set openforge_upstream_url=http://HOST:PORT or OPENFORGE_UPSTREAM_URL")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadOption(f"openforge_upstream_url must be an http(s) URL such as http://127.0.0.1:8000, "
-                        f"got {url!r}")
-    try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-    except ValueError as e:
-        raise BadOption(f"openforge_upstream_url has a bad port: {url!r}") from e
-    prefix = parts.path.rstrip("/")
-    prefix = prefix.removesuffix("/v1")
+    upstream = parse_upstream("openforge_upstream_url", url)
 
     profile = get("openforge_engine_profile").lower()
     if profile not in PROFILES:
@@ -243,10 +271,10 @@ def parse(values: dict[str, str]) -> Settings:
             raise BadOption(f"openforge_flow_key_file: {e}") from None
     return Settings(
         upstream_url=url,
-        upstream_scheme=parts.scheme,
-        upstream_host=parts.hostname,
-        upstream_port=port,
-        upstream_prefix=prefix,
+        upstream_scheme=upstream.scheme,
+        upstream_host=upstream.host,
+        upstream_port=upstream.port,
+        upstream_prefix=upstream.prefix,
         upstream_key=_upstream_key(get("openforge_upstream_key"), get("openforge_upstream_key_file")),
         flow_dir=_flow_dir(get("openforge_flow_dir")),
         engine_profile=profile,
@@ -269,8 +297,24 @@ def parse(values: dict[str, str]) -> Settings:
     )
 
 
+def parse_upstream(name: str, url: str, key: str = "") -> Upstream:
+    """An http(s) base URL (a trailing /v1 accepted) as an `Upstream`; BadOption naming `name` otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadOption(f"{name} must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:
+        raise BadOption(f"{name} has a bad port: {url!r}") from e
+    return Upstream(url, parts.scheme, parts.hostname, port, parts.path.rstrip("/").removesuffix("/v1"), key)
+
+
+ROUTE_KEYS = {"models", "sampling", "upstream", "key_file"}
+
+
 def parse_models(value: str) -> dict[str, Route]:
-    """Routing table from inline JSON or a JSON/TOML file: {role: {"models": {...}, "sampling": {...}}}."""
+    """Routing table from inline JSON or a JSON/TOML file: {role: {"models": {...}, "sampling": {...},
+    "upstream": URL, "key_file": PATH}}; a role's key only ever from a file, never inline."""
     if not value:
         return {}
     source = "openforge_models"
@@ -291,15 +335,32 @@ def parse_models(value: str) -> dict[str, Route]:
         raise BadOption(f"{source} must map roles to routing tables, got {type(data).__name__}")
     routes: dict[str, Route] = {}
     for role, table in data.items():
-        if not isinstance(table, dict) or set(table) - {"models", "sampling"}:
-            raise BadOption(f"{source}: role {role!r} must be a table with only 'models' and 'sampling' keys")
+        if isinstance(table, dict) and "key" in table:
+            raise BadOption(f"{source}: role {role!r} names a key inline; put it in a file and name that file "
+                            "with 'key_file' (a key inline would show wherever the table does)")
+        if not isinstance(table, dict) or set(table) - ROUTE_KEYS:
+            raise BadOption(f"{source}: role {role!r} must be a table with only 'models' and 'sampling' keys, "
+                            "and 'upstream' and 'key_file' for an upstream of its own")
         models, sampling = table.get("models", {}), table.get("sampling", {})
         if not isinstance(models, dict) or not all(isinstance(v, str) for v in models.values()):
             raise BadOption(f"{source}: {role}.models must map model names (or patterns) to engine model ids")
         if not isinstance(sampling, dict):
             raise BadOption(f"{source}: {role}.sampling must be a table of request fields, e.g. temperature")
-        routes[str(role)] = Route(dict(models), dict(sampling))
+        routes[str(role)] = Route(dict(models), dict(sampling), _role_upstream(source, str(role), table))
     return routes
+
+
+def _role_upstream(source: str, role: str, table: dict[str, Any]) -> Upstream | None:
+    url, key_file = table.get("upstream"), table.get("key_file")
+    if url is None:
+        if key_file is not None:
+            raise BadOption(f"{source}: {role}.key_file is set without {role}.upstream: the proxy's own upstream "
+                            "takes openforge_upstream_key_file")
+        return None
+    if not isinstance(url, str) or (key_file is not None and not isinstance(key_file, str)):
+        raise BadOption(f"{source}: {role}.upstream must be a URL and {role}.key_file a file path")
+    key = _upstream_key("", key_file or "", f"{role}.key_file")
+    return parse_upstream(f"{source}: {role}.upstream", url, key)
 
 
 def policy_version(value: object) -> int | None:
@@ -335,22 +396,22 @@ def _pause_timeout(value: str) -> float:
     return timeout
 
 
-def _upstream_key(key: str, path: str) -> str:
-    """The key as given (or from its file, one trailing newline dropped), refused when it cannot be a header
-    value: the proxy would start and every call fail."""
+def _upstream_key(key: str, path: str, name: str = "openforge_upstream_key_file") -> str:
+    """The key as given (or from its file `name`, one trailing newline dropped), refused when it cannot be a
+    header value: the proxy would start and every call fail."""
+    what = "openforge_upstream_key" if name == "openforge_upstream_key_file" else f"the key in {name}"
     if path:
         if key:
             raise BadOption("both openforge_upstream_key and openforge_upstream_key_file are set: give one")
         try:
             key = Path(path).expanduser().read_text(encoding="utf-8").removesuffix("\n")
         except (OSError, UnicodeDecodeError) as e:
-            raise BadOption(f"cannot read openforge_upstream_key_file {path!r}: "
-                            f"{getattr(e, 'strerror', None) or e}") from None
+            raise BadOption(f"cannot read {name} {path!r}: {getattr(e, 'strerror', None) or e}") from None
     if key != key.strip():
-        raise BadOption("openforge_upstream_key ends with a newline or space (a Kubernetes Secret made with "
+        raise BadOption(f"{what} ends with a newline or space (a Kubernetes Secret made with "
                         "--from-file, or `echo` into a file, adds one): remove it, e.g. `printf %s KEY`")
     if not key.isprintable():
-        raise BadOption("openforge_upstream_key contains a control character: it cannot be sent as a header")
+        raise BadOption(f"{what} contains a control character: it cannot be sent as a header")
     return key
 
 
@@ -378,7 +439,9 @@ def describe_routes(routes: dict[str, Route]) -> str:
     for role, route in routes.items():
         models = ", ".join(f"{pattern}->{target}" for pattern, target in route.models.items()) or "models unchanged"
         sampling = " ".join(f"{k}={json.dumps(v)}" for k, v in route.sampling.items())
-        parts.append(f"{role}: {models}" + (f" sampling {sampling}" if sampling else ""))
+        up = route.upstream
+        where = f" upstream {up.display} ({'key from file' if up.key else 'no key'})" if up else ""
+        parts.append(f"{role}: {models}" + (f" sampling {sampling}" if sampling else "") + where)
     return "; ".join(parts)
 
 

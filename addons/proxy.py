@@ -32,7 +32,7 @@ from openforge.protocols.errors import ProtocolError
 from . import access, bodies, calllog, control, errors, flowfile, options, profiles, routes, secrecy, translate, wire
 from .calllog import CallLog
 from .control import Control
-from .engine import Engine
+from .engine import Engine, check_role_upstreams
 from .errors import Refused
 from .exchange import Exchange, RequestParts, ResponseParts
 from .recorder import META, Recorder, response_parts
@@ -49,6 +49,7 @@ class OpenForge:
         self.settings: options.Settings | None = None
         self.recorder = Recorder()
         self.engine = Engine()
+        self.role_engines: dict[str, Engine] = {}  # upstream URL -> what is known of a role's own upstream
         self.control = Control(self.recorder, self.engine)
         self.calllog = CallLog()
         self._error_pages = errors.ErrorPages()
@@ -73,6 +74,7 @@ class OpenForge:
             if self._load_error:
                 raise options.BadOption(self._load_error)
             new = options.parse({name: getattr(ctx.options, name) for name in options.NAMES})
+            check_role_upstreams(new)
         except options.BadOption as e:
             if self._running:
                 raise exceptions.OptionsError(str(e)) from None
@@ -90,6 +92,10 @@ class OpenForge:
     def _apply(self, new: options.Settings) -> None:
         self.recorder.configure(new)
         self.engine.configure(new)
+        urls = {up.url for up in new.role_upstreams().values()}
+        self.role_engines = {url: self.role_engines.get(url) or Engine() for url in urls}
+        for role in new.role_upstreams():
+            self.role_engines[new.for_role(role).upstream_url].configure(new.for_role(role))
         self.settings = new
         key = wire.mask(new.upstream_key) if new.upstream_key else "none"
         logger.info(wire.printable(f"OpenForge {self.recorder.instance}: upstream {new.upstream_display} (key {key}), "
@@ -194,13 +200,14 @@ class OpenForge:
             protocol = ex.protocol
             await self.control.pause.wait()
             ex.policy_version = self.control.policy_version  # the weights it will meet, a held call's too
-            problem = await self.engine.problem(flow, s)
+            rs, upstream = s.for_role(ex.role), self._engine_for(s, ex.role)
+            problem = await upstream.problem(flow, rs)
             if problem:
-                self._answer(flow, ex, 502, f"OpenForge: upstream {s.upstream_display} unreachable: {problem}",
+                self._answer(flow, ex, 502, f"OpenForge: upstream {rs.upstream_display} unreachable: {problem}",
                              "upstream_unreachable")
                 return
-            ex.engine_profile = await self.engine.profile_for(s)
-            self._prepare(flow, ex, s)
+            ex.engine_profile = await upstream.profile_for(rs)
+            self._prepare(flow, ex, rs)
         except ProtocolError as e:
             self._answer(flow, ex, e.status, e.message, "invalid_request_error")
         except Refused as e:
@@ -222,8 +229,10 @@ class OpenForge:
             req = flow.request
             ex.upstream_request = RequestParts(req.method, req.url, req.headers.fields, req.raw_content)
         s = self.settings
-        if s is not None and (flow.request.host, flow.request.port) == (s.upstream_host, s.upstream_port):
-            self.engine.answered()
+        if s is not None:
+            rs = s.for_role(ex.role) if ex.protocol != "other" else s
+            if (flow.request.host, flow.request.port) == (rs.upstream_host, rs.upstream_port):
+                self._engine_for(s, ex.role if ex.protocol != "other" else None).answered()
         self._hide_key(flow)
         if ex.protocol == "other" or not wire.is_event_stream(flow.response.headers.fields):
             return
@@ -268,7 +277,7 @@ class OpenForge:
             self.calllog.line(flow, ex, "ERR")
             return
         s = self.settings
-        upstream = s.upstream_display if s is not None else "engine"
+        upstream = "engine" if s is None else (s if ex.protocol == "other" else s.for_role(ex.role)).upstream_display
         page = errors.error_response(ex, 502, f"OpenForge: upstream {upstream} failed: {ex.error}", "upstream_error")
         page.headers["connection"] = "close"  # mitmproxy closes the client's connection after its error page
         if flow.error is not None:
@@ -327,8 +336,16 @@ class OpenForge:
         self._describe(flow, ex, prefixes, s)
         self._check_route(s, ex.role)
         self.recorder.track(flow, ex)
-        self._to_upstream(flow, s, routes.upstream_path(s, canonical, query), llm=True)
+        rs = s.for_role(ex.role)
+        self._to_upstream(flow, rs, routes.upstream_path(rs, canonical, query), llm=True)
         return ex
+
+    def _engine_for(self, s: options.Settings, role: str | None) -> Engine:
+        """What is known of the upstream a role's calls go to (the proxy's own unless its route names one)."""
+        if role is None:
+            return self.engine
+        rs = s.for_role(role)
+        return self.engine if rs is s else self.role_engines[rs.upstream_url]
 
     def _describe(self, flow: http.HTTPFlow, ex: Exchange, prefixes: endpoints.Prefixes, s: options.Settings) -> None:
         """Role, episode and toolchain of a call."""
@@ -380,7 +397,8 @@ class OpenForge:
         req.path = path
 
     def _prepare(self, flow: http.HTTPFlow, ex: Exchange, s: options.Settings) -> None:
-        """Routing, translation and token-id injection on the body; then freeze what goes upstream."""
+        """Routing, translation and token-id injection on the body; then freeze what goes upstream. `s`: the
+        settings of the call's role (its upstream)."""
         req = flow.request
         body = bodies.request_json(req.content) if req.method == "POST" else None
         if body is not None:

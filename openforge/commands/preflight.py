@@ -27,7 +27,8 @@ def preflight(
     models: str = typer.Option("", "--models", envvar="OPENFORGE_MODELS", show_default=False,
                                help="The proxy's per-role routing (inline JSON or a .json/.toml file, as "
                                     "openforge_models): every engine model it routes to is tried with that "
-                                    "role's forced sampling parameters. Default: $OPENFORGE_MODELS."),
+                                    "role's forced sampling parameters, on the role's own upstream (with its "
+                                    "key_file) where it names one. Default: $OPENFORGE_MODELS."),
     timeout: float = typer.Option(10.0, min=0.1, help="Seconds to wait for each answer."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object (for scripts)."),
 ) -> None:
@@ -43,20 +44,25 @@ def preflight(
     try:
         routes = parse_models(models)
         checker = Preflight(upstream, key, timeout)
+        own = {role: Preflight(r.upstream.url, r.upstream.key, timeout) for role, r in routes.items() if r.upstream}
     except (BadOption, PreflightError) as e:
         fail(str(e))
     console = Console(highlight=False)
     with console.status(f"checking {checker.base} ...", spinner="dots") if not as_json else nullcontext():
-        report = checker.run(list(model or []), routes)
+        report = checker.run(list(model or []), {r: route for r, route in routes.items() if not route.upstream})
+        # a role with an upstream of its own is checked there, with its key, on the models it routes to
+        role_reports = {role: check.run([], {role: routes[role]}) for role, check in own.items()}
+    reports = [("", report), *((f" (role {role})", r) for role, r in role_reports.items())]
     if as_json:
-        typer.echo(json.dumps(report.as_dict()))
+        typer.echo(json.dumps({**report.as_dict(), "ok": all(r.ok for _, r in reports),
+                               "roles": {role: r.as_dict() for role, r in role_reports.items()}}))
     else:
-        console.print(f"[bold]preflight[/bold] {report.upstream}")
-        for f in report.findings:
-            mark = "[red]FAIL[/red]" if not f.ok else ("[yellow]WARN[/yellow]" if f.warn else "[green] OK [/green]")
-            console.print(f"  {mark} {escape(f.check)}: {escape(f.message)}", soft_wrap=True)
-        verdict = "[green]ready[/green]" if report.ok else "[red]not ready[/red]"
-        console.print(f"  => {verdict}" + (f", engine profile: {report.profile}" if report.profile else ""))
-    if not report.ok:
+        for title, r in reports:
+            console.print(f"[bold]preflight[/bold] {r.upstream}{escape(title)}")
+            for f in r.findings:
+                mark = "[red]FAIL[/red]" if not f.ok else ("[yellow]WARN[/yellow]" if f.warn else "[green] OK [/green]")
+                console.print(f"  {mark} {escape(f.check)}: {escape(f.message)}", soft_wrap=True)
+            verdict = "[green]ready[/green]" if r.ok else "[red]not ready[/red]"
+            console.print(f"  => {verdict}" + (f", engine profile: {r.profile}" if r.profile else ""))
+    if not all(r.ok for _, r in reports):
         raise typer.Exit(FAILED)
-

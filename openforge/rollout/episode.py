@@ -120,7 +120,7 @@ def verifier_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
 def placeholders(spec: EpisodeSpec, api_key: str, parent: Mapping[str, str]) -> dict[str, str]:
     base_url = spec.base_url
     if spec.sandbox == "bwrap":
-        base_url = f"{sandbox.sandbox_url(spec.proxy_url)}/e/{spec.episode}"
+        base_url = sandbox.sandbox_url(spec.proxy_url) + spec.call_prefix
     return {"prompt": spec.task.prompt, "workdir": spec.workdir, "episode": spec.episode, "base_url": base_url,
             "api_key": api_key, "home": spec.home, "tools": tools_dir(), "python": sys.executable,
             "path": parent.get("PATH", os.defpath), "model": MODEL}

@@ -60,9 +60,10 @@ def new_run_id() -> str:
 
 def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, proxy_url: str, out: Path,
          run_id: str, fresh_verify_copy: bool = False, on_failure: OnFailure = "default",
-         sandbox: str = "bwrap") -> list[EpisodeSpec]:
+         sandbox: str = "bwrap", role: str | None = None) -> list[EpisodeSpec]:
     """One spec per (task, toolchain allowed by the task, attempt 1..k), each with its own directories under
-    `out/episodes/<episode>/` (episode = run id, task, toolchain, attempt)."""
+    `out/episodes/<episode>/` (episode = run id, task, toolchain, attempt); `role`: the proxy's role for the
+    agents' calls (None: the proxy's default, the policy)."""
     specs: list[EpisodeSpec] = []
     policy = policies(on_failure)
     for task in (replace(t, solution=None, metadata={}) for t in tasks):  # the fix, its origin: never in an episode
@@ -75,7 +76,7 @@ def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, p
                 specs.append(EpisodeSpec(
                     run_id=run_id, episode=episode, task=task, adapter=adapter, attempt=attempt, proxy_url=proxy_url,
                     out_dir=str(ep_dir), workdir=str(ep_dir / "work"), home=str(ep_dir / "home"),
-                    fresh_verify_copy=fresh_verify_copy, on_failure=policy, sandbox=sandbox))
+                    fresh_verify_copy=fresh_verify_copy, on_failure=policy, sandbox=sandbox, role=role))
     if len({s.episode for s in specs}) != len(specs):
         raise RolloutError("two episodes got the same id (task and toolchain names that run together): rename one")
     return specs
@@ -279,7 +280,7 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
             attempts: int = 1, concurrency: int = 1, on_failure: OnFailure = "default", fresh_verify_copy: bool = False,
             pass_threshold: float = 1.0, backend: str = "local", run_id: str | None = None,
             sandbox: str = "bwrap", client_token: str | None = None,
-            reward_token: str | None = None) -> tuple[str, list[EpisodeSpec]]:
+            reward_token: str | None = None, role: str | None = None) -> tuple[str, list[EpisodeSpec]]:
     """Check every input and plan the episodes: (run id, specs); RolloutError for bad input, or for a
     sandbox that cannot run here. The tokens are `execute`'s (accepted here so all three functions take the
     same keyword arguments)."""
@@ -311,7 +312,7 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
     mode = check_sandbox(sandbox, backend)
     run_id = run_id or new_run_id()
     specs = plan(task_list, adapters, attempts, proxy_url=proxy.rstrip("/"), out=Path(out), run_id=run_id,
-                 fresh_verify_copy=fresh_verify_copy, on_failure=on_failure, sandbox=mode)
+                 fresh_verify_copy=fresh_verify_copy, on_failure=on_failure, sandbox=mode, role=role)
     if not specs:
         raise RolloutError("no episode to run: every task's 'toolchains' excludes the toolchains given")
     return run_id, specs
@@ -352,13 +353,16 @@ def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter],
         attempts: int = 1, concurrency: int = 1, on_failure: OnFailure = "default", fresh_verify_copy: bool = False,
         pass_threshold: float = 1.0, backend: str = "local", k8s_options: K8sOptions | None = None,
         run_id: str | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None,
-        sandbox: str = "bwrap", client_token: str | None = None, reward_token: str | None = None) -> Rollout:
+        sandbox: str = "bwrap", client_token: str | None = None, reward_token: str | None = None,
+        role: str | None = None) -> Rollout:
     """`openforge rollout` as a function (docs/rollouts.md): `prepare`, `check_proxy` (local), then
-    `execute`. Tokens: the arguments, else $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError
-    for bad input, a sandbox that cannot run here or a proxy that does not answer (nothing run)."""
+    `execute`; `role`: the proxy's role for the agents' calls (a validator's, say). Tokens: the arguments,
+    else $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError for bad input, a sandbox that
+    cannot run here or a proxy that does not answer (nothing run)."""
     run_id, specs = prepare(tasks, toolchains, proxy=proxy, out=out, attempts=attempts, concurrency=concurrency,
                             on_failure=on_failure, fresh_verify_copy=fresh_verify_copy,
-                            pass_threshold=pass_threshold, backend=backend, run_id=run_id, sandbox=sandbox)
+                            pass_threshold=pass_threshold, backend=backend, run_id=run_id, sandbox=sandbox,
+                            role=role)
     if backend == "local":
         check_proxy(proxy, client_token, reward_token)
     return execute(run_id, specs, out=out, attempts=attempts, concurrency=concurrency, on_failure=on_failure,

@@ -73,10 +73,16 @@ class EpisodeSpec:
     on_failure: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_POLICY))
     sandbox: str = "none"  # how the agent and verifier are confined (sandbox.py); the runner always sets it
     version: int = SPEC_VERSION
+    role: str | None = None  # the proxy's role for the agent's calls (a `/r/<role>/` prefix); None: its default
 
     @property
     def base_url(self) -> str:
-        return f"{self.proxy_url.rstrip('/')}/e/{self.episode}"
+        return self.proxy_url.rstrip("/") + self.call_prefix
+
+    @property
+    def call_prefix(self) -> str:
+        """The path prefix that tells the proxy the episode (and role) of the agent's calls."""
+        return (f"/r/{self.role}" if self.role else "") + f"/e/{self.episode}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
