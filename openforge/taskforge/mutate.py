@@ -34,6 +34,8 @@ from openforge.taskforge.repo_files import RepoError, read_repo, write_repo
 TEST_DIRS = {"tests", "test", "testing"}
 MAX_LISTED_TESTS = 10
 TASK_TIMEOUT_S = 600.0
+STAGE = ".openforge-source"  # where a task ships the source files the agent may edit; `setup` moves them
+SETUP = f"cp -R {STAGE}/. . && rm -rf {STAGE}"
 
 
 class MutateError(ValueError):
@@ -84,9 +86,17 @@ def is_test_file(path: str) -> bool:
 
 
 def mutable_files(files: Iterable[str], include: tuple[str, ...]) -> list[str]:
-    """The Python files mutations go into: never tests; only those matching `include` when given."""
+    """The Python files mutations go into: never tests; only those matching `include` when given (a glob of
+    paths, or `PATH_GLOB::FUNCTION_GLOB`)."""
+    globs = [g.split("::")[0] for g in include]
     return [f for f in files if f.endswith(".py") and not is_test_file(f)
-            and (not include or any(fnmatch.fnmatch(f, g) for g in include))]
+            and (not globs or any(fnmatch.fnmatch(f, g) for g in globs))]
+
+
+def included(m: mutations.Mutation, include: tuple[str, ...]) -> bool:
+    """Whether `m` is in a function `include` names (every function of an included file without `::`)."""
+    return not include or any(fnmatch.fnmatch(f"{m.file}::{m.function}" if "::" in g else m.file, g)
+                              for g in include)
 
 
 def unified_diff(path: str, old: str, new: str) -> str:
@@ -128,10 +138,15 @@ def verify_command(options: MutateOptions, broken: tuple[str, ...], passed: int,
 
 def make_task(m: mutations.Mutation, files: dict[str, str], run: SuiteRun, root: Path, options: MutateOptions,
               passed: int) -> dict[str, Any]:
+    """The task of mutant `m`. An episode restores the task's `files` before the verifier runs (the agent
+    cannot change them), so only what the fix must not touch is shipped at its path: tests, configuration,
+    data. The Python source the agent may edit ships under STAGE, which `setup` moves into place."""
     original = files[m.file]
     workspace = dict(files)
     workspace[m.file] = m.apply(original)
-    return {"id": task_id(m), "prompt": prompt(options.test, run, root), "files": workspace,
+    editable = set(mutable_files(workspace, ()))
+    shipped = {(f"{STAGE}/{rel}" if rel in editable else rel): text for rel, text in workspace.items()}
+    return {"id": task_id(m), "prompt": prompt(options.test, run, root), "files": shipped, "setup": SETUP,
             "verify": verify_command(options, run.failing, passed, workspace),
             "timeout_s": max(TASK_TIMEOUT_S, 2 * options.timeout_s),
             "solution": unified_diff(m.file, workspace[m.file], original),
@@ -160,12 +175,12 @@ class _Workers:
         # the verifier's environment, and a fixed hash seed so failure texts come out the same each run
         self.env = {**verifier_env(home, os.environ), "PYTHONHASHSEED": "0"}
 
-    def run(self, m: mutations.Mutation) -> tuple[SuiteRun, Path]:
+    def run(self, m: mutations.Mutation, timeout_s: float) -> tuple[SuiteRun, Path]:
         work = self.free.get()
         target = work / m.file
         try:
             target.write_text(m.apply(self.files[m.file]), encoding="utf-8")
-            return run_tests(self.options.test, cwd=work, env=self.env, timeout_s=self.options.timeout_s), work
+            return run_tests(self.options.test, cwd=work, env=self.env, timeout_s=timeout_s), work
         finally:
             target.write_text(self.files[m.file], encoding="utf-8")
             self.free.put(work)
@@ -182,12 +197,12 @@ def _baseline(files: dict[str, str], root: Path, options: MutateOptions, env: di
         tail = run.output.strip().splitlines()[-1:] or ["no output"]
         raise MutateError(f"the test command wrote no pytest report (exit {run.exit_code}: {tail[0][:200]}); "
                           "mutate reads results from pytest's JUnit report, asked for through PYTEST_ADDOPTS")
+    if not run.outcomes:
+        raise MutateError(f"the test command ran no test (exit {run.exit_code}): {options.test}")
     if not run.green:
         failing = ", ".join(run.failing[:3]) + (" ..." if len(run.failing) > 3 else "")
         raise MutateError(f"the tests fail before any mutation (exit {run.exit_code}; failing: {failing or 'none'});"
                           " mutate needs a passing suite")
-    if not run.passed:
-        raise MutateError("the test command ran no test")
     return run
 
 
@@ -206,7 +221,9 @@ def mutate(repo: Path, options: MutateOptions,
     if not targets:
         raise MutateError(f"{repo}: no Python file to mutate" + (f" matches --include {' '.join(options.include)}"
                                                                  if options.include else " outside the tests"))
-    candidates = [m for f in targets for m in mutations.sites(f, files[f])]
+    candidates = [m for f in targets for m in mutations.sites(f, files[f]) if included(m, options.include)]
+    if not candidates:
+        raise MutateError(f"{repo}: no mutation site in the files and functions to mutate")
     random.Random(options.seed).shuffle(candidates)
     tasks: list[dict[str, Any]] = []
     rejected: list[Rejected] = []
@@ -217,6 +234,7 @@ def mutate(repo: Path, options: MutateOptions,
         base = _baseline(files, root, options, workers.env)
         result = MutateResult(tasks, rejected, len(candidates), 0, snapshot.skipped, base.seconds, 0.0,
                               files=len(files))
+        bound = candidate_timeout(base.seconds, options.timeout_s)
         with ThreadPoolExecutor(max_workers=options.jobs) as pool:
             futures: dict[int, Future[tuple[SuiteRun, Path]]] = {}
             for i, m in enumerate(candidates):
@@ -224,11 +242,11 @@ def mutate(repo: Path, options: MutateOptions,
                     break
                 for j in range(i, min(i + options.jobs, len(candidates))):  # keep `jobs` candidates running
                     if j not in futures:
-                        futures[j] = pool.submit(workers.run, candidates[j])
+                        futures[j] = pool.submit(workers.run, candidates[j], bound)
                 run, work = futures.pop(i).result()
                 result.tried += 1
                 result.candidate_s += run.seconds
-                why = _reject_reason(run, options)
+                why = _reject_reason(run, bound)
                 if why is None:
                     key = _shape(m, run.failing)
                     if key in seen:
@@ -246,9 +264,15 @@ def mutate(repo: Path, options: MutateOptions,
     return result
 
 
-def _reject_reason(run: SuiteRun, options: MutateOptions) -> str | None:
+def candidate_timeout(baseline_s: float, timeout_s: float) -> float:
+    """A candidate's bound: --timeout-s, or less when the unmutated suite is quick (a mutation that loops
+    forever should not cost a minute)."""
+    return min(timeout_s, 4 * baseline_s + 5)
+
+
+def _reject_reason(run: SuiteRun, bound: float) -> str | None:
     if run.exit_code is None:
-        return f"timed out (over {options.timeout_s:g} s)"
+        return f"timed out (over {bound:.0f} s)"
     if not run.report:
         return f"no test report (exit {run.exit_code})"
     if not run.failing:

@@ -81,6 +81,15 @@ def _find_op(text: str, op: str) -> int | None:
     return None
 
 
+def _int_literal(value: int, like: str) -> str:
+    """`value` written in the base of the literal `like` (0xff -> 0x100, not 256)."""
+    prefix = like[:2].lower()
+    if prefix in ("0x", "0o", "0b"):
+        digits = format(value, {"0x": "x", "0o": "o", "0b": "b"}[prefix])
+        return like[:2] + (digits.upper() if like[2:].isupper() else digits)
+    return str(value)
+
+
 def _wrapped(text: str, node: ast.expr) -> str:
     return text if isinstance(node, ATOMIC) else f"({text})"
 
@@ -198,7 +207,7 @@ class _Sites(ast.NodeVisitor):
             start, end = self.off.span(node)
             for delta in (1, -1):
                 if node.value + delta >= 0:
-                    self.add("off_by_one", node, start, end, str(node.value + delta))
+                    self.add("off_by_one", node, start, end, _int_literal(node.value + delta, self.source[start:end]))
 
     def _bound(self, name: str, node: ast.expr) -> None:
         if isinstance(node, ast.Constant) or isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant):
