@@ -26,7 +26,8 @@ from tests.conftest import ROOT
 PROJECT = ROOT / "tests" / "support" / "mutate_project"
 TEST = f"{sys.executable} -m pytest -q"
 # what an agent might leave to fake a green suite: every test reported passed, a config that skips them
-CHEAT = {"conftest.py": "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+CHEAT = {"conftest.py": "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+                        "def pytest_runtest_makereport(item, call):\n"
                         "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n",
          "tests/conftest.py": "collect_ignore_glob = ['*.py']\n",
          "pytest.ini": "[pytest]\naddopts = -p no:junitxml\n"}
@@ -173,7 +174,7 @@ def test_mpmath_own_tests(tmp_path: Path) -> None:
 
     repo = tmp_path / "repo"
     shutil.copytree(Path(mpmath.__file__).parent, repo / "mpmath", ignore=shutil.ignore_patterns("__pycache__"))
-    options = MutateOptions(test=f"{TEST} mpmath/tests/test_bitwise.py", n=2, seed=3, jobs=2,
+    options = MutateOptions(test=f"{TEST} mpmath/tests/test_bitwise.py", n=2, seed=4, jobs=2,
                             include=("mpmath/libmp/libintmath.py::python_*",))
     result = mutate(repo, options)
     assert len(result.tasks) == 2

@@ -1,5 +1,4 @@
 import pytest
-
 from shop.inventory import Inventory, OutOfStock
 
 
