@@ -126,7 +126,7 @@ def placeholders(spec: EpisodeSpec, api_key: str, parent: Mapping[str, str]) -> 
             "path": parent.get("PATH", os.defpath), "model": MODEL}
 
 
-def _write_under(root: Path, rel: str, content: str) -> None:
+def write_under(root: Path, rel: str, content: str) -> None:
     """Write a task file at `root/rel`, replacing whatever is there: a link or a directory the agent put on
     the way is removed, never followed."""
     if why := relative_path(rel):
@@ -276,7 +276,7 @@ def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     home.mkdir(parents=True, exist_ok=True)
     for rel, content in spec.task.files.items():
-        _write_under(work, rel, content)
+        write_under(work, rel, content)
     if spec.task.setup:
         code, _ = run_group(["bash", "-c", spec.task.setup], cwd=work, env=env, out=out, name="setup",
                             timeout=spec.task.timeout_s)
@@ -285,23 +285,24 @@ def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path) -> None:
             raise EpisodeError("crashed", f"setup {why} (see setup.stderr)")
 
 
-def _special_files(directory: str, names: list[str]) -> set[str]:
+def special_files(directory: str, names: list[str]) -> set[str]:
     """What a copy of the workspace leaves out: pipes, sockets, devices (reading a pipe the agent left would
     block)."""
     return {n for n in names if not (os.path.islink(p := os.path.join(directory, n)) or os.path.isfile(p)
                                      or os.path.isdir(p))}
 
 
-def _verify(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path) -> tuple[int | None, float]:
+def verify_in_copy(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str],
+                   out: Path) -> tuple[int | None, float]:
     """(exit code or None on timeout, seconds) of the task's verifier, run in `work.verify/`: a fresh copy of
     the workspace with the task's own files written over it, and a fresh HOME."""
     work = Path(spec.workdir)
     copy, home = work.with_name(work.name + ".verify"), out / "verify-home"
     for d in (copy, home):
         shutil.rmtree(d, ignore_errors=True)
-    shutil.copytree(work, copy, symlinks=True, ignore=_special_files)
+    shutil.copytree(work, copy, symlinks=True, ignore=special_files)
     for rel, content in spec.task.files.items():
-        _write_under(copy, rel, content)
+        write_under(copy, rel, content)
     home.mkdir()
     box.prepare(copy, home)
     with box.step(["bash", "-c", spec.task.verify], cwd=copy, writable=[copy, home], network=False) as (argv, popen):
@@ -320,7 +321,7 @@ class VerifyFailed(EpisodeError):
 def _verdict(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path,
              result: EpisodeResult) -> EpisodeResult:
     """`result` with the verifier's reward, exit code and stderr tail; VerifyFailed when it gave none."""
-    code, seconds = _verify(spec, box, parent, out)
+    code, seconds = verify_in_copy(spec, box, parent, out)
     stderr = (out / "verify.stderr").read_text(errors="replace")
     result = replace(result, verify_exit_code=code, verify_s=round(seconds, 3), verify_stderr=stderr[-STDERR_TAIL:])
     try:
