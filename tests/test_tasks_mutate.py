@@ -83,12 +83,11 @@ def check_fail_then_pass(task: dict[str, Any], tmp: Path) -> None:
     assert verify(task, work) == 1.0
 
 
-def check_agrees(tasks: list[dict[str, Any]], tmp: Path) -> None:
-    """`openforge tasks check`'s checks pass on every task (once the check helper's module is there)."""
-    try:
-        from openforge.taskforge.check import check_task
-    except ImportError:
-        return
+def check_agrees(tasks: list[dict[str, Any]], tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`openforge tasks check`'s checks all pass on every task (sandboxed verifiers import this checkout)."""
+    from openforge.taskforge.check import check_task
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     for task in tasks:
         report = check_task(parse_task(task), work_root=tmp)
         assert report.passed, report.failures
@@ -107,8 +106,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str,
     return out, read(out)
 
 
-def test_tasks_fail_untouched_and_pass_after_solution(made: tuple[Path, list[dict[str, Any]]],
-                                                      tmp_path: Path) -> None:
+def test_tasks_fail_untouched_and_pass_after_solution(made: tuple[Path, list[dict[str, Any]]], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     out, tasks = made
     assert len(tasks) == 3
     for task in tasks:
@@ -116,7 +115,7 @@ def test_tasks_fail_untouched_and_pass_after_solution(made: tuple[Path, list[dic
         assert task["metadata"]["source"] == "mutate"
         assert set(task["metadata"]["mutation"]) == {"operator", "file", "line"}
         check_fail_then_pass(task, tmp_path)
-    check_agrees(tasks, tmp_path / "check")
+    check_agrees(tasks, tmp_path / "check", monkeypatch)
     rejected = read(out.with_name(out.name + ".rejected.jsonl"))
     assert all(r["reason"] for r in rejected)
 
@@ -168,7 +167,7 @@ def test_hanging_test_command_is_one_error_line(tmp_path: Path) -> None:
                                         "repository (--timeout-s): sleep 600"]
 
 
-def test_mpmath_own_tests(tmp_path: Path) -> None:
+def test_mpmath_own_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A PyPI package's source and its own test module: mpmath (a dependency of sympy, so of torch)."""
     import mpmath
 
@@ -182,7 +181,7 @@ def test_mpmath_own_tests(tmp_path: Path) -> None:
         assert task["metadata"]["mutation"]["file"] == "mpmath/libmp/libintmath.py"
         assert "mpmath/tests/test_bitwise.py::" in task["prompt"]
         check_fail_then_pass(task, tmp_path)
-    check_agrees(result.tasks, tmp_path / "check")
+    check_agrees(result.tasks, tmp_path / "check", monkeypatch)
 
 
 SAMPLE = '''def f(a, b):

@@ -130,7 +130,7 @@ class _Sites(ast.NodeVisitor):
         self.in_function -= 1
         self.scope.pop()
 
-    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+    visit_AsyncFunctionDef = visit_FunctionDef
 
     def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
         """f-strings: left alone (their inner positions are easy to get wrong)."""
