@@ -175,7 +175,10 @@ class _Workers:
         # the verifier's environment, and a fixed hash seed so failure texts come out the same each run
         self.env = {**verifier_env(home, os.environ), "PYTHONHASHSEED": "0"}
 
-    def run(self, m: mutations.Mutation, timeout_s: float) -> tuple[SuiteRun, Path]:
+    def run(self, m: mutations.Mutation, timeout_s: float) -> tuple[SuiteRun, Path] | None:
+        """The tests' verdict on `m` and the copy it ran in; None when the mutated file does not parse."""
+        if not mutations.parses(m.apply(self.files[m.file])):
+            return None
         work = self.free.get()
         target = work / m.file
         try:
@@ -236,22 +239,25 @@ def mutate(repo: Path, options: MutateOptions,
                               files=len(files))
         bound = candidate_timeout(base.seconds, options.timeout_s)
         with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-            futures: dict[int, Future[tuple[SuiteRun, Path]]] = {}
+            futures: dict[int, Future[tuple[SuiteRun, Path] | None]] = {}
             for i, m in enumerate(candidates):
                 if len(tasks) >= options.n:
                     break
                 for j in range(i, min(i + options.jobs, len(candidates))):  # keep `jobs` candidates running
                     if j not in futures:
                         futures[j] = pool.submit(workers.run, candidates[j], bound)
-                run, work = futures.pop(i).result()
+                ran = futures.pop(i).result()
                 result.tried += 1
-                result.candidate_s += run.seconds
-                why = _reject_reason(run, bound)
-                if why is None:
+                if ran is None:
+                    why: str | None = "does not parse"
+                else:
+                    run, work = ran
+                    result.candidate_s += run.seconds
+                    why = _reject_reason(run, bound)
                     key = _shape(m, run.failing)
-                    if key in seen:
+                    if why is None and key in seen:
                         why = f"duplicate (of {seen[key]})"
-                    else:
+                    elif why is None:
                         tasks.append(make_task(m, files, run, work, options, base.passed))
                         seen[key] = tasks[-1]["id"]
                 if why:

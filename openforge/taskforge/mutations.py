@@ -266,18 +266,21 @@ class _Sites(ast.NodeVisitor):
 
 
 def sites(file: str, source: str) -> list[Mutation]:
-    """Every mutation of `source` that still parses, in source order; [] for a file that does not parse."""
+    """Every mutation of `source`, in source order; [] for a file that does not parse. Whether a mutated
+    source still parses is left to `parses` (one parse per candidate tried, not per site found)."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
     visitor = _Sites(file, source)
     visitor.visit(tree)
-    found: dict[tuple[int, int, str], Mutation] = {}
-    for m in visitor.found:
-        try:
-            ast.parse(m.apply(source))
-        except (SyntaxError, ValueError):
-            continue
-        found.setdefault((m.start, m.end, m.after), m)
+    found = {(m.start, m.end, m.after): m for m in reversed(visitor.found)}
     return sorted(found.values(), key=lambda m: (m.start, m.end, m.operator, m.after))
+
+
+def parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    return True
