@@ -20,7 +20,7 @@ from openforge.rollout.tasks import parse_task
 from openforge.taskforge.mutate import STAGE, MutateOptions, is_test_file, mutate, unified_diff
 from openforge.taskforge.mutations import sites
 from openforge.taskforge.pytest_run import SuiteRun
-from openforge.taskforge.verify_tests import reward
+from openforge.taskforge.verify_tests import REWARDS, reward
 from tests.conftest import ROOT
 
 PROJECT = ROOT / "tests" / "support" / "mutate_project"
@@ -210,6 +210,9 @@ def test_operators_replace_one_span() -> None:
 
 
 def test_fraction_reward() -> None:
+    from openforge.commands.tasks_mutate import Reward
+
+    assert tuple(Reward) == REWARDS
     spec = {"broken": ["t::a", "t::b"], "passed_at_least": 4, "reward": "fraction"}
     run = SuiteRun(1, 1.0, "", True, {"t::a": "passed", "t::b": "failed", "t::c": "passed", "t::d": "passed"})
     assert reward(run, spec) == 0.5

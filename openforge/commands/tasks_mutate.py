@@ -12,7 +12,7 @@ from openforge.commands import fail
 
 
 class Reward(StrEnum):
-    """openforge.taskforge.verify_tests.reward."""
+    """openforge.taskforge.verify_tests.REWARDS."""
 
     all = "all"
     fraction = "fraction"

@@ -22,6 +22,8 @@ from typing import Any
 
 from openforge.taskforge.pytest_run import SuiteRun, run_tests
 
+REWARDS = ("all", "fraction")
+
 
 def reward(run: SuiteRun, spec: dict[str, Any]) -> float:
     """"all": 1.0 when the command exits 0, every broken test passes and at least as many tests pass as before
