@@ -1,0 +1,304 @@
+"""`openforge tasks mutate` (docs/tasks.md): bug-fix tasks from a repository whose pytest suite passes. Each
+candidate is one mutation (mutations.py) run against the tests in a copy of the repository; it becomes a task
+when tests that passed fail with it; equivalent mutants are kept once.
+
+Candidates are tried in an order drawn from `seed` and decided in that order whatever the parallelism, so
+the same repository, command and seed give the same file."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import hashlib
+import json
+import os
+import queue
+import random
+import re
+import shlex
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from openforge.rollout.episode import verifier_env
+from openforge.taskforge import mutations
+from openforge.taskforge.pytest_run import SuiteRun, excerpt, run_tests
+from openforge.taskforge.repo_files import RepoError, read_repo, write_repo
+
+TEST_DIRS = {"tests", "test", "testing"}
+MAX_LISTED_TESTS = 10
+TASK_TIMEOUT_S = 600.0
+STAGE = ".openforge-source"  # where a task ships the source files the agent may edit; `setup` moves them
+SETUP = f"cp -R {STAGE}/. . && rm -rf {STAGE}"
+
+
+class MutateError(ValueError):
+    """The repository or options cannot give tasks (one line: why)."""
+
+
+@dataclass(frozen=True)
+class MutateOptions:
+    test: str  # the repository's test command (bash, runs pytest)
+    n: int = 10  # tasks wanted
+    seed: int = 0
+    timeout_s: float = 60.0  # bound of one run of the tests: unmutated, each candidate, each verify
+    reward: str = "all"  # "all" | "fraction" (verify_tests.reward)
+    include: tuple[str, ...] = ()  # globs of the files to mutate (relative paths); default every non-test .py
+    jobs: int = 2  # candidates tested at once
+
+
+@dataclass(frozen=True)
+class Rejected:
+    candidate: str  # FILE:LINE operator 'before' -> 'after'
+    file: str
+    line: int
+    operator: str
+    reason: str
+
+
+@dataclass
+class MutateResult:
+    tasks: list[dict[str, Any]]
+    rejected: list[Rejected]
+    sites: int  # mutations found
+    tried: int  # candidates decided
+    skipped: Counter[str]  # files of the repository left out of the workspace, per reason
+    baseline_s: float
+    wall_s: float
+    candidate_s: float = 0.0  # seconds of all candidate test runs together
+    files: int = 0
+
+    @property
+    def reasons(self) -> Counter[str]:
+        return Counter(r.reason.split(" (")[0] for r in self.rejected)
+
+
+def is_test_file(path: str) -> bool:
+    p = PurePosixPath(path)
+    return (p.name.startswith("test_") or p.name.endswith("_test.py") or p.name == "conftest.py"
+            or bool(TEST_DIRS & set(p.parts[:-1])))
+
+
+def mutable_files(files: Iterable[str], include: tuple[str, ...]) -> list[str]:
+    """The Python files mutations go into: never tests; only those matching `include` when given (a glob of
+    paths, or `PATH_GLOB::FUNCTION_GLOB`)."""
+    globs = [g.split("::")[0] for g in include]
+    return [f for f in files if f.endswith(".py") and not is_test_file(f)
+            and (not globs or any(fnmatch.fnmatch(f, g) for g in globs))]
+
+
+def included(m: mutations.Mutation, include: tuple[str, ...]) -> bool:
+    """Whether `m` is in a function `include` names (every function of an included file without `::`)."""
+    return not include or any(fnmatch.fnmatch(f"{m.file}::{m.function}" if "::" in g else m.file, g)
+                              for g in include)
+
+
+def unified_diff(path: str, old: str, new: str) -> str:
+    """`patch -p1` diff from `old` to `new` of `path`, with the marker for a last line without newline."""
+    lines = difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                 f"a/{path}", f"b/{path}")
+    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+
+
+def _label(m: mutations.Mutation) -> str:
+    return f"{m.file}:{m.line} {m.operator} {m.before[:40]!r} -> {m.after[:40]!r}"
+
+
+def task_id(m: mutations.Mutation) -> str:
+    digest = hashlib.sha256(f"{m.file}\0{m.start}\0{m.end}\0{m.after}".encode()).hexdigest()[:8]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", m.file.removesuffix(".py")).strip("-")[-60:]
+    return f"mutate-{slug}-L{m.line}-{m.operator}-{digest}"
+
+
+def prompt(test: str, run: SuiteRun, root: Path) -> str:
+    """The failure as a user reports it: the command, the failing tests, the first failure's text."""
+    failing = run.failing
+    listed = "\n".join(f"- {t}" for t in failing[:MAX_LISTED_TESTS])
+    more = f"\n- ... and {len(failing) - MAX_LISTED_TESTS} more" if len(failing) > MAX_LISTED_TESTS else ""
+    first = excerpt(run.details.get(failing[0], "") or run.output, root)
+    return (f"The test suite of this repository is failing. Running `{test}`, {len(failing)} "
+            f"test{'s' if len(failing) != 1 else ''} fail{'' if len(failing) != 1 else 's'}:\n{listed}{more}\n\n"
+            f"The first failure:\n```\n{first}\n```\n\n"
+            "Find the bug in the code and fix it so that the whole test suite passes. The tests are right: "
+            "do not change them.")
+
+
+def verify_command(options: MutateOptions, broken: tuple[str, ...], passed: int, files: Iterable[str]) -> str:
+    spec = {"test": options.test, "broken": list(broken), "passed_at_least": passed, "reward": options.reward,
+            "timeout_s": options.timeout_s, "files": sorted(files)}
+    return (f"{shlex.quote(sys.executable)} -m openforge.taskforge.verify_tests "
+            f"{shlex.quote(json.dumps(spec, separators=(',', ':')))}")
+
+
+def make_task(m: mutations.Mutation, files: dict[str, str], run: SuiteRun, root: Path, options: MutateOptions,
+              passed: int) -> dict[str, Any]:
+    """The task of mutant `m`. An episode restores the task's `files` before the verifier runs (the agent
+    cannot change them), so only what the fix must not touch is shipped at its path: tests, configuration,
+    data. The Python source the agent may edit ships under STAGE, which `setup` moves into place."""
+    original = files[m.file]
+    workspace = dict(files)
+    workspace[m.file] = m.apply(original)
+    editable = set(mutable_files(workspace, ()))
+    shipped = {(f"{STAGE}/{rel}" if rel in editable else rel): text for rel, text in workspace.items()}
+    return {"id": task_id(m), "prompt": prompt(options.test, run, root), "files": shipped, "setup": SETUP,
+            "verify": verify_command(options, run.failing, passed, workspace),
+            "timeout_s": max(TASK_TIMEOUT_S, 2 * options.timeout_s),
+            "solution": unified_diff(m.file, workspace[m.file], original),
+            "metadata": {"source": "mutate", "mutation": {"operator": m.operator, "file": m.file, "line": m.line}}}
+
+
+def _shape(m: mutations.Mutation, failing: tuple[str, ...]) -> tuple[Any, ...]:
+    """Mutants with the same shape are taken as equivalent: same failing tests, same function, same operator,
+    same text change (whitespace aside)."""
+    return failing, m.file, m.function, m.operator, "".join(m.before.split()), "".join(m.after.split())
+
+
+class _Workers:
+    """`jobs` copies of the repository; each candidate borrows one, writes its mutated file, runs the tests and
+    puts the original back."""
+
+    def __init__(self, root: Path, files: dict[str, str], jobs: int, options: MutateOptions) -> None:
+        self.files, self.options = files, options
+        self.free: queue.Queue[Path] = queue.Queue()
+        for i in range(jobs):
+            work = root / f"w{i}"
+            write_repo(files, work)
+            self.free.put(work)
+        home = root / "home"
+        home.mkdir()
+        # the verifier's environment, and a fixed hash seed so failure texts come out the same each run
+        self.env = {**verifier_env(home, os.environ), "PYTHONHASHSEED": "0"}
+
+    def run(self, m: mutations.Mutation, timeout_s: float) -> tuple[SuiteRun, Path] | None:
+        """The tests' verdict on `m` and the copy it ran in; None when the mutated file does not parse."""
+        if not mutations.parses(m.apply(self.files[m.file])):
+            return None
+        work = self.free.get()
+        target = work / m.file
+        try:
+            target.write_text(m.apply(self.files[m.file]), encoding="utf-8")
+            return run_tests(self.options.test, cwd=work, env=self.env, timeout_s=timeout_s), work
+        finally:
+            target.write_text(self.files[m.file], encoding="utf-8")
+            self.free.put(work)
+
+
+def _baseline(files: dict[str, str], root: Path, options: MutateOptions, env: dict[str, str]) -> SuiteRun:
+    work = root / "baseline"
+    write_repo(files, work)
+    run = run_tests(options.test, cwd=work, env=env, timeout_s=options.timeout_s)
+    if run.exit_code is None:
+        raise MutateError(f"the test command did not finish within {options.timeout_s:g} s on the unmutated "
+                          f"repository (--timeout-s): {options.test}")
+    if not run.report:
+        tail = run.output.strip().splitlines()[-1:] or ["no output"]
+        raise MutateError(f"the test command wrote no pytest report (exit {run.exit_code}: {tail[0][:200]}); "
+                          "mutate reads results from pytest's JUnit report, asked for through PYTEST_ADDOPTS")
+    if not run.outcomes:
+        raise MutateError(f"the test command ran no test (exit {run.exit_code}): {options.test}")
+    if not run.green:
+        failing = ", ".join(run.failing[:3]) + (" ..." if len(run.failing) > 3 else "")
+        raise MutateError(f"the tests fail before any mutation (exit {run.exit_code}; failing: {failing or 'none'});"
+                          " mutate needs a passing suite")
+    return run
+
+
+def mutate(repo: Path, options: MutateOptions,
+           progress: Callable[[int, int, int], None] | None = None) -> MutateResult:
+    """Tasks from `repo` (MutateError for bad input); `progress(decided, candidates, accepted)` after each."""
+    started = time.monotonic()
+    if not repo.is_dir():
+        raise MutateError(f"--repo {repo}: not a directory")
+    try:
+        snapshot = read_repo(repo)
+    except RepoError as e:
+        raise MutateError(str(e)) from None
+    files = snapshot.files
+    targets = mutable_files(files, options.include)
+    if not targets:
+        raise MutateError(f"{repo}: no Python file to mutate" + (f" matches --include {' '.join(options.include)}"
+                                                                 if options.include else " outside the tests"))
+    candidates = [m for f in targets for m in mutations.sites(f, files[f]) if included(m, options.include)]
+    if not candidates:
+        raise MutateError(f"{repo}: no mutation site in the files and functions to mutate")
+    random.Random(options.seed).shuffle(candidates)
+    tasks: list[dict[str, Any]] = []
+    rejected: list[Rejected] = []
+    seen: dict[tuple[Any, ...], str] = {}
+    with tempfile.TemporaryDirectory(prefix="openforge-mutate-") as tmp:
+        root = Path(tmp)
+        workers = _Workers(root, files, options.jobs, options)
+        base = _baseline(files, root, options, workers.env)
+        result = MutateResult(tasks, rejected, len(candidates), 0, snapshot.skipped, base.seconds, 0.0,
+                              files=len(files))
+        bound = candidate_timeout(base.seconds, options.timeout_s)
+        with ThreadPoolExecutor(max_workers=options.jobs) as pool:
+            futures: dict[int, Future[tuple[SuiteRun, Path] | None]] = {}
+            for i, m in enumerate(candidates):
+                if len(tasks) >= options.n:
+                    break
+                for j in range(i, min(i + options.jobs, len(candidates))):  # keep `jobs` candidates running
+                    if j not in futures:
+                        futures[j] = pool.submit(workers.run, candidates[j], bound)
+                ran = futures.pop(i).result()
+                result.tried += 1
+                if ran is None:
+                    why: str | None = "does not parse"
+                else:
+                    run, work = ran
+                    result.candidate_s += run.seconds
+                    why = _reject_reason(run, bound)
+                    key = _shape(m, run.failing)
+                    if why is None and key in seen:
+                        why = f"duplicate (of {seen[key]})"
+                    elif why is None:
+                        tasks.append(make_task(m, files, run, work, options, base.passed))
+                        seen[key] = tasks[-1]["id"]
+                if why:
+                    rejected.append(Rejected(_label(m), m.file, m.line, m.operator, why))
+                if progress:
+                    progress(result.tried, len(candidates), len(tasks))
+            for f in futures.values():
+                f.cancel()
+    result.wall_s = time.monotonic() - started
+    return result
+
+
+def candidate_timeout(baseline_s: float, timeout_s: float) -> float:
+    """A candidate's bound: --timeout-s, or less when the unmutated suite is quick (a mutation that loops
+    forever should not cost a minute)."""
+    return min(timeout_s, 4 * baseline_s + 5)
+
+
+def _reject_reason(run: SuiteRun, bound: float) -> str | None:
+    if run.exit_code is None:
+        return f"timed out (over {bound:.0f} s)"
+    if not run.report:
+        return f"no test report (exit {run.exit_code})"
+    if not run.failing:
+        return "tests still pass" if run.exit_code == 0 else f"no failing test named (exit {run.exit_code})"
+    return None
+
+
+def write_tasks(tasks: list[dict[str, Any]], out: Path) -> None:
+    """One task per line, written to a temporary file beside `out` and renamed onto it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for task in tasks:
+                f.write(json.dumps(task, ensure_ascii=False) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_rejected(rejected: list[Rejected], path: Path) -> None:
+    write_tasks([r.__dict__ for r in rejected], path)
