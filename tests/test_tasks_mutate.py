@@ -17,7 +17,7 @@ import pytest
 
 from openforge.rollout.episode import parse_reward, verifier_env
 from openforge.rollout.tasks import parse_task
-from openforge.taskforge.mutate import STAGE, MutateOptions, is_test_file, mutate, unified_diff
+from openforge.taskforge.mutate import MutateOptions, is_test_file, mutate, unified_diff
 from openforge.taskforge.mutations import sites
 from openforge.taskforge.pytest_run import SuiteRun
 from openforge.taskforge.verify_tests import REWARDS, reward
@@ -40,9 +40,9 @@ def cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 
 
 def build(task: dict[str, Any], work: Path) -> Path:
-    """The workspace as an episode makes it: `files`, then `setup`."""
+    """The workspace as an episode makes it: the task's `files` (mutate's tasks have no `setup`)."""
+    assert "setup" not in task
     write(task["files"], work)
-    subprocess.run(["bash", "-c", task["setup"]], cwd=work, check=True, timeout=60)
     return work
 
 
@@ -59,7 +59,7 @@ def verify(task: dict[str, Any], work: Path) -> float:
     for d in (copy, home):
         shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(work, copy)
-    write(task["files"], copy)
+    write({rel: text for rel, text in task["files"].items() if rel not in task["editable"]}, copy)
     home.mkdir()
     env = verifier_env(home, {**os.environ, "PYTHONPATH": str(ROOT)})
     run = subprocess.run(["bash", "-c", task["verify"]], cwd=copy, env=env, capture_output=True, text=True,
@@ -74,7 +74,6 @@ def apply_solution(task: dict[str, Any], work: Path) -> None:
 
 def check_fail_then_pass(task: dict[str, Any], tmp: Path) -> None:
     work = build(task, tmp / task["id"])
-    assert not (work / STAGE).exists()
     assert verify(task, work) == 0.0
     # what an agent might do instead of fixing the bug: empty the tests, add a conftest and a config
     write({rel: "" for rel in task["files"] if is_test_file(rel)} | CHEAT, work)
@@ -125,9 +124,10 @@ def test_workspace_gives_nothing_away(made: tuple[Path, list[dict[str, Any]]]) -
                  if p.is_file() and "__pycache__" not in p.parts and ".pytest_cache" not in p.parts}
     for task in made[1]:
         mutated = task["metadata"]["mutation"]["file"]
-        files = {rel.removeprefix(STAGE + "/"): text for rel, text in task["files"].items()}
+        files = task["files"]
         assert set(files) == set(originals)  # no .git, caches, backups
-        assert f"{STAGE}/{mutated}" in task["files"]  # the source ships staged: `files` are restored before verify
+        # the source is the agent's to fix (not restored before verify); the tests are not
+        assert mutated in task["editable"] and not any(is_test_file(rel) for rel in task["editable"])
         assert files[mutated] != originals[mutated]
         assert originals[mutated] not in files.values()
         restored = [line[1:].strip() for line in task["solution"].splitlines()

@@ -34,8 +34,6 @@ from openforge.taskforge.repo_files import RepoError, read_repo, write_repo
 TEST_DIRS = {"tests", "test", "testing"}
 MAX_LISTED_TESTS = 10
 TASK_TIMEOUT_S = 600.0
-STAGE = ".openforge-source"  # where a task ships the source files the agent may edit; `setup` moves them
-SETUP = f"cp -R {STAGE}/. . && rm -rf {STAGE}"
 
 
 class MutateError(ValueError):
@@ -138,15 +136,13 @@ def verify_command(options: MutateOptions, broken: tuple[str, ...], passed: int,
 
 def make_task(m: mutations.Mutation, files: dict[str, str], run: SuiteRun, root: Path, options: MutateOptions,
               passed: int) -> dict[str, Any]:
-    """The task of mutant `m`. An episode restores the task's `files` before the verifier runs (the agent
-    cannot change them), so only what the fix must not touch is shipped at its path: tests, configuration,
-    data. The Python source the agent may edit ships under STAGE, which `setup` moves into place."""
+    """The task of mutant `m`. An episode restores the task's `files` before the verifier runs, but the
+    `editable` ones: the Python source the agent may fix; tests, configuration and data are restored."""
     original = files[m.file]
     workspace = dict(files)
     workspace[m.file] = m.apply(original)
-    editable = set(mutable_files(workspace, ()))
-    shipped = {(f"{STAGE}/{rel}" if rel in editable else rel): text for rel, text in workspace.items()}
-    return {"id": task_id(m), "prompt": prompt(options.test, run, root), "files": shipped, "setup": SETUP,
+    return {"id": task_id(m), "prompt": prompt(options.test, run, root), "files": workspace,
+            "editable": sorted(mutable_files(workspace, ())),
             "verify": verify_command(options, run.failing, passed, workspace),
             "timeout_s": max(TASK_TIMEOUT_S, 2 * options.timeout_s),
             "solution": unified_diff(m.file, workspace[m.file], original),
