@@ -31,7 +31,6 @@ from openforge.rollout.spec import EpisodeResult
 from openforge.taskforge.calibrate import KEPT, TOO_EASY, TOO_HARD, UNMEASURED, parse_band, pass_rates, verdict
 from openforge.trainer.config import ConfigError
 from tests.conftest import ROOT
-from tests.support.mutate_task import mutate_task
 from tests.support.toolchain_engine import ToolchainEngine
 
 CLIENT = "client-token-calibrate-0123456789"
@@ -238,37 +237,33 @@ def test_rl_task_settings_errors(sets: dict[str, str], message: str) -> None:
         load_rl_config(sets=sets)
 
 
-# --- `openforge rl --tasks` on a mutate-style task file -----------------------------------------------------
-
-def test_the_mutate_style_task_fails_untouched_and_passes_with_its_solution(tmp_path: Path) -> None:
-    task = mutate_task()
-    for path, content in task["files"].items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(content)
-    verify = ["bash", "-c", task["verify"]]
-    assert subprocess.run(verify, cwd=tmp_path, capture_output=True).returncode == 1
-    subprocess.run(["patch", "-p1", "--batch", "--forward"], input=task["solution"].encode(), cwd=tmp_path,
-                   check=True, capture_output=True)
-    assert subprocess.run(verify, cwd=tmp_path, capture_output=True).returncode == 0
-
+# --- `openforge rl --tasks` on a task file `openforge tasks mutate` made -------------------------------------
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_rl_runs_end_to_end_on_a_mutate_style_task_file(tmp_path: Path) -> None:
-    """One iteration of `openforge rl` (embedded engine, tool-agent) on the task: its episodes run, pytest
-    verifies each, the loop reconstructs, trains if it can and publishes; the task's solution and metadata
-    never reach an episode."""
-    tasks = write_tasks(tmp_path / "tasks.jsonl", [mutate_task()])
+def test_rl_runs_end_to_end_on_a_mutate_made_task_file(tmp_path: Path) -> None:
+    """`openforge tasks mutate` makes a task from tests/support/mutate_project, then one iteration of
+    `openforge rl` (embedded engine, tool-agent) runs on it: its episodes run, its verifier scores each, the
+    loop reconstructs, trains if it can and publishes; the task's solution and metadata never reach an
+    episode."""
+    tasks = tmp_path / "tasks.jsonl"
     out = tmp_path / "run"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")},
            "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+    made = subprocess.run([sys.executable, "-m", "openforge.cli", "tasks", "mutate", "--repo",
+                           str(ROOT / "tests/support/mutate_project"), "--test", f"{sys.executable} -m pytest -q",
+                           "--out", str(tasks), "--n", "1", "--seed", "1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout + made.stderr
+    [task] = [json.loads(x) for x in tasks.read_text().splitlines()]
+    assert task["metadata"]["source"] == "mutate" and task["solution"]
     done = subprocess.run([sys.executable, "-m", "openforge.cli", "rl", "--out", str(out), "--tasks", str(tasks),
                            "--iterations", "1", "--attempts", "2", "--steps", "1", "--set", "engine.threads=1",
                            "--set", "train.step_tokens=1024", "--set", "train.row_tokens=1024"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     [line] = [json.loads(x) for x in (out / "rl.jsonl").read_text().splitlines()]
-    assert line["episodes"] == 2 and list(line["tasks"]) == ["calc-ops-add-binop"], line
+    assert line["episodes"] == 2 and list(line["tasks"]) == [task["id"]], line
     results = [json.loads(x) for x in (out / "iterations/000/rollout/results.jsonl").read_text().splitlines()]
     assert any(r["status"] == "ok" and r["reward"] in (0.0, 1.0) for r in results), results
     for spec in (out / "iterations/000/rollout/episodes").glob("*/spec.json"):
