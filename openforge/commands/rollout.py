@@ -20,6 +20,24 @@ class Backend(StrEnum):
     k8s = "k8s"
 
 
+# Options `openforge tasks calibrate` shares (it runs a rollout).
+TOOLCHAIN = typer.Option(
+    ..., "--toolchain",
+    help="A built-in adapter (claude-code, codex, qwen-code, mini-swe-agent, tool-agent, gui-agent, "
+         "gui-agent-anthropic) or custom:FILE.toml; "
+         "repeat for several.")
+CONCURRENCY = typer.Option(1, help="Episodes running at once.")
+PROXY = typer.Option(..., help="The running OpenForge proxy's base URL, e.g. http://127.0.0.1:8080.")
+ON_FAILURE = typer.Option(
+    [], help="A failed episode's reward per failure class (agent, timeout, verifier, engine, infra): 'zero' "
+             "posts 0.0, 'drop' posts none. CLASS=POLICY (repeat, or comma-separated), or one policy for all; "
+             "default agent=zero, the rest drop (docs/rollouts.md, Failure classes).")
+PASS_THRESHOLD = typer.Option(1.0, help="An attempt passes when its reward is >= this.")
+NO_SANDBOX = typer.Option(
+    False, "--no-sandbox", help="Run agents as plain processes of your user instead of in a bubblewrap sandbox "
+                                "(prints what is then not protected; docs/rollouts.md, Sandbox).")
+
+
 def register(app: typer.Typer) -> None:
     app.command("rollout")(rollout)
 
@@ -44,32 +62,23 @@ def summary_table(title: str, groups: dict[str, dict[str, Any]], attempts: int) 
 
 def rollout(
     tasks: Path = typer.Option(..., "--tasks", help="Task file, one JSON object per line (docs/rollouts.md)."),
-    toolchain: list[str] = typer.Option(
-        ..., "--toolchain",
-        help="A built-in adapter (claude-code, codex, qwen-code, mini-swe-agent, tool-agent, gui-agent, "
-             "gui-agent-anthropic) or custom:FILE.toml; "
-             "repeat for several."),
+    toolchain: list[str] = TOOLCHAIN,
     attempts: int = typer.Option(1, help="Attempts per task and toolchain (k, the GRPO group size)."),
-    concurrency: int = typer.Option(1, help="Episodes running at once."),
-    proxy: str = typer.Option(..., help="The running OpenForge proxy's base URL, e.g. http://127.0.0.1:8080."),
+    concurrency: int = CONCURRENCY,
+    proxy: str = PROXY,
     out: Path = typer.Option(..., help="Directory for episodes (workspace, logs, result.json) and summary.json."),
-    on_failure: list[str] = typer.Option(
-        [], help="A failed episode's reward per failure class (agent, timeout, verifier, engine, infra): 'zero' "
-                 "posts 0.0, 'drop' posts none. CLASS=POLICY (repeat, or comma-separated), or one policy for all; "
-                 "default agent=zero, the rest drop (docs/rollouts.md, Failure classes)."),
+    on_failure: list[str] = ON_FAILURE,
     fresh_verify_copy: bool = typer.Option(False, "--fresh-verify-copy",
                                            help="Kept for old scripts: the verifier always runs in a fresh copy of "
                                                 "the workspace now."),
-    pass_threshold: float = typer.Option(1.0, help="An attempt passes when its reward is >= this."),
+    pass_threshold: float = PASS_THRESHOLD,
     backend: Backend = typer.Option(
         Backend.local, help="Where episodes run: 'local' processes, or 'k8s' Jobs (then --proxy is the proxy's URL "
                             "as the pods reach it; docs/rollouts-k8s.md)."),
     k8s_config: Path | None = typer.Option(
         None, "--k8s-config", help="--backend k8s: TOML file of cluster settings (image, namespace, token Secrets, "
                                    "proxy labels or CIDR and port, resources; docs/rollouts-k8s.md)."),
-    no_sandbox: bool = typer.Option(
-        False, "--no-sandbox", help="Run agents as plain processes of your user instead of in a bubblewrap sandbox "
-                                    "(prints what is then not protected; docs/rollouts.md, Sandbox)."),
+    no_sandbox: bool = NO_SANDBOX,
     dry_run: Path | None = typer.Option(
         None, "--dry-run", help="--backend k8s: write every manifest (ConfigMaps, Jobs, NetworkPolicy) to this "
                                 "directory and run nothing."),

@@ -1,11 +1,10 @@
 """`openforge tasks calibrate` (docs/tasks.md): run the policy k times per task, keep the tasks in a pass-rate band.
 
-The options it shares with `openforge rollout` are that command's own definitions (`_rollout_option`), so the
-two never drift apart; their values are checked by the rollout itself (`openforge.rollout.run`)."""
+The options it shares with `openforge rollout` are that command's own definitions, so the two never drift
+apart; their values are checked by the rollout itself (`openforge.rollout.run`)."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 from pathlib import Path
@@ -20,11 +19,6 @@ if TYPE_CHECKING:
     from openforge.taskforge.calibrate import Calibration
 
 
-def _rollout_option(name: str) -> Any:
-    """`openforge rollout`'s option `name` (its typer.Option, help text included)."""
-    return inspect.signature(rollout_command.rollout).parameters[name].default
-
-
 def register(app: typer.Typer) -> None:
     """Adds `calibrate` to the `openforge tasks` group."""
     app.command("calibrate")(calibrate)
@@ -32,8 +26,8 @@ def register(app: typer.Typer) -> None:
 
 def calibrate(
     tasks: Path = typer.Argument(..., help="Task file to calibrate (docs/rollouts.md)."),
-    proxy: str = _rollout_option("proxy"),
-    toolchain: list[str] = _rollout_option("toolchain"),
+    proxy: str = rollout_command.PROXY,
+    toolchain: list[str] = rollout_command.TOOLCHAIN,
     attempts: int = typer.Option(8, "--attempts", help="Attempts per task and toolchain (k): the pass rate is "
                                                        "over these, less the failures that are not the policy's."),
     out: Path = typer.Option(..., "--out", help="Task file to write: the tasks inside the band, each with "
@@ -44,10 +38,10 @@ def calibrate(
     rollout_dir: Path | None = typer.Option(None, "--rollout-dir", help="Directory for the episodes, summary.json "
                                             "and calibration.json (every task's figures). Default: OUT.rollout "
                                             "beside --out."),
-    pass_threshold: float = _rollout_option("pass_threshold"),
-    on_failure: list[str] = _rollout_option("on_failure"),
-    concurrency: int = _rollout_option("concurrency"),
-    no_sandbox: bool = _rollout_option("no_sandbox"),
+    pass_threshold: float = rollout_command.PASS_THRESHOLD,
+    on_failure: list[str] = rollout_command.ON_FAILURE,
+    concurrency: int = rollout_command.CONCURRENCY,
+    no_sandbox: bool = rollout_command.NO_SANDBOX,
 ) -> None:
     """Run the policy on every task `--attempts` times through the proxy (as `openforge rollout` does; the
     same tokens: $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN) and keep the tasks it solves sometimes
