@@ -55,8 +55,8 @@ def rl(
     out: Path = typer.Option(..., "--out", help="The run's directory: rl.jsonl, rl.png, flows, DuckDB, episodes, "
                                                 "checkpoints, logs (docs/rl.md)."),
     config: Path | None = typer.Option(None, "--config", help="rl.toml: \\[engine] \\[proxy] \\[rollout] "
-                                                              "\\[reconstruct] \\[loop] \\[tasks] \\[train] (docs/rl.md "
-                                                              "has every field)."),
+                                                              "\\[reconstruct] \\[loop] \\[tasks] \\[train] "
+                                                              "(docs/rl.md has every field)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out at the stage it stopped in "
                                                         "(its own rl.toml; --set and the options below still apply)."),
     iterations: int | None = typer.Option(None, "--iterations", help="loop.iterations: rollout -> train -> "
