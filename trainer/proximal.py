@@ -12,7 +12,9 @@ exact in float32 below 2^24), and row building depends on neither.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,8 +37,25 @@ def target_sources(samples: list[Sample], build: Callable[[list[Sample]], list[R
 class ProximalLogprobs:
     """float32 CPU logprobs of each sample's trainable tokens only (4 bytes per trainable token)."""
 
-    def __init__(self) -> None:
-        self.logp: dict[str, torch.Tensor] = {}
+    def __init__(self, logp: dict[str, torch.Tensor] | None = None) -> None:
+        self.logp: dict[str, torch.Tensor] = logp or {}
+
+    @classmethod
+    def load(cls, checkpoint: Path | None, rank: int) -> ProximalLogprobs:
+        """What this rank saved beside a checkpoint taken mid-run (`save`); empty when there is none (another
+        rank count, a checkpoint at a run's end, a file damaged): those samples are computed again."""
+        path = checkpoint / f"proximal_rank{rank}.pt" if checkpoint else None
+        if path is None or not path.is_file():
+            return cls()
+        try:
+            logp = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+            return cls()
+        return cls(logp) if isinstance(logp, dict) else cls()
+
+    def save(self, checkpoint: Path, rank: int) -> None:
+        """Beside a checkpoint that a run goes on from: `--resume` then clips against the same proximal policy."""
+        torch.save(self.logp, checkpoint / f"proximal_rank{rank}.pt")
 
     def __contains__(self, sample_id: str) -> bool:
         return sample_id in self.logp

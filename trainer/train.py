@@ -67,12 +67,12 @@ def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logi
 
 def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterator[tuple[list[Sample], Position]],
                   cfg: TrainConfig, rank: int, world_size: int, device: torch.device, rope: MRope | None = None,
-                  idle: Sample | None = None) -> ProximalLogprobs:
+                  idle: Sample | None = None, store: ProximalLogprobs | None = None) -> ProximalLogprobs:
     """The proximal policy's logprobs of every sample this rank trains in `batches` (the run's steps), at the
-    weights before the first update. Each step's share is dealt as training deals it (`rank_share`), so a
-    rank computes exactly the samples it will see; those it saw in an earlier step are not computed again.
-    Every rank runs as many forwards per step (FSDP collectives)."""
-    store = ProximalLogprobs()
+    weights before the first update, added to `store` (what a resumed run saved). Each step's share is dealt
+    as training deals it (`rank_share`), so a rank computes exactly the samples it will see; those it has
+    already are not computed again. Every rank runs as many forwards per step (FSDP collectives)."""
+    store = store if store is not None else ProximalLogprobs()
     for batch, _ in batches:
         share = [s for s in rank_share(batch, rank, world_size, by_episode=cfg.tree) if s.sample_id not in store]
         attach_pixels(source, share)
@@ -172,13 +172,16 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     proximal = None
     if recompute and step < total_steps:  # one pass over what the run's steps will read, before any update
         t0 = time.perf_counter()
+        proximal = ProximalLogprobs.load(None if new_selection else ckpt, rank)
+        saved = len(proximal)
         planned = source.batches(cfg.step_tokens, position, epochs)
-        proximal = proximal_pass(model, source, itertools.islice(planned, total_steps - step), cfg, rank,
-                                 world_size, device, rope, idle)
+        proximal_pass(model, source, itertools.islice(planned, total_steps - step), cfg, rank, world_size, device,
+                      rope, idle, proximal)
         planned.close()
         if master:
-            say(f"proximal policy: logprobs of {len(proximal)} samples ({proximal.tokens} trainable tokens on rank "
-                f"0) before the first update ({time.perf_counter() - t0:.1f} s)")
+            kept = f", {saved} kept from {ckpt.name}" if saved else ""
+            say(f"proximal policy: logprobs of {len(proximal) - saved} samples before the first update{kept} "
+                f"(rank 0: {proximal.tokens} trainable tokens, {time.perf_counter() - t0:.1f} s)")
     progress = ProgressBar(cfg.progress and master, total_steps, step)
     batches = source.batches(cfg.step_tokens, position, epochs)
     with progress, source:
@@ -224,7 +227,9 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
                 if on_step is not None:
                     on_step(record)
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-                checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
+                saved_at = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
+                if proximal is not None:
+                    proximal.save(saved_at, rank)
     final = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
     if master:
         if from_start and cfg.steps and len(trained) < n_samples:
