@@ -52,7 +52,8 @@ def dynamic_groups(base: str, seed: int) -> str:
     episodes: pass rate = the share with a reward > 0; a group with no positive reward, or with an aborted
     episode (no reward), is dropped; any other is kept with probability min(1, 1 - pass rate), drawn from a
     hash of (group, seed): the same groups on every rank and on a resume."""
-    episodes = f"SELECT {GROUP_KEY} AS g, episode_id, any_value(reward) AS reward FROM samples WHERE {base} GROUP BY ALL"
+    episodes = (f"SELECT {GROUP_KEY} AS g, episode_id, any_value(reward) AS reward FROM samples WHERE {base} "
+                "GROUP BY ALL")
     draw = f"hash(g || ':{int(seed)}') / 18446744073709551616.0"  # hash() is a UBIGINT: uniform in [0, 1)
     return (f"SELECT g FROM ({episodes}) GROUP BY g HAVING count(*) FILTER (reward > 0) > 0 AND "
             f"count(*) FILTER (reward IS NULL) = 0 AND {draw} < 1 - avg(CASE WHEN reward > 0 THEN 1.0 ELSE 0.0 END)")
@@ -104,10 +105,10 @@ class SampleSource:
         except duckdb.Error as e:
             raise DataError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
         self.filter = selection_filter(where, drop_zero_advantage, group_filter, seed)
-        self.left_out = [why for on, why in ((drop_zero_advantage, "samples whose advantage is 0 (every group with equal "
-                                              "rewards; keep_zero_advantage = true keeps them)"),
-                                             (group_filter != "none", f"the groups group_filter = {group_filter} drops"))
-                         if on]
+        left_out = [(drop_zero_advantage, "samples whose advantage is 0 (every group with equal rewards; "
+                                          "keep_zero_advantage = true keeps them)"),
+                    (group_filter != "none", f"the groups group_filter = {group_filter} drops")]
+        self.left_out = [why for on, why in left_out if on]
         self.shuffle, self.seed, self.tree = shuffle, seed, tree
         try:  # binds the filter (columns, types) without reading a row
             self.con.execute(f"SELECT sample_id FROM samples WHERE {self.filter} LIMIT 0")

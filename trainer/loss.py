@@ -91,9 +91,10 @@ def ppo_loss(
     """Decoupled PPO: the clipped surrogate against the old policy, weighted for the engine that sampled.
 
     r = pi_theta / pi_old, where pi_old is the proximal policy: the trainer's own logprobs before the run's
-    first update (`train.proximal_pass`), or, with old_policy = engine, the engine's. w = min(pi_old / pi_behaviour, is_cap), without gradient, and 1
-    where the engine gave no logprob: truncated importance sampling bounds the variance that engine/trainer
-    mismatch (quantisation, kernels) adds. Per token: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) w.
+    first update (`train.proximal_pass`), or, with old_policy = engine, the engine's. w = min(pi_old /
+    pi_behaviour, is_cap), without gradient, and 1 where the engine gave no logprob: truncated importance
+    sampling bounds the variance that engine/trainer mismatch (quantisation, kernels) adds. Per token:
+    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) w.
     When pi_old is the engine's, w = 1 and r itself is truncated: above is_cap it counts as is_cap (value,
     and gradient is_cap * grad log pi); PPO clipping applies on top, no gradient where it clips.
     """

@@ -27,7 +27,7 @@ from openforge.trainer.data import DataError, Position, Sample, SampleSource, co
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
 from openforge.trainer.model import check_vocab, load_model, shard_model, vl_config
 from openforge.trainer.packing import MRope, Row, coefficients, make_row, plan_rows, rank_share
-from openforge.trainer.proximal import ProximalLogprobs, target_sources
+from openforge.trainer.proximal import ProximalLogprobs, Sources, target_sources
 from openforge.trainer.tree import tree_rows
 from openforge.trainer.vision import attach_pixels, check_pixels, idle_sample, mrope
 
@@ -78,7 +78,7 @@ def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterato
         attach_pixels(source, share)
         ones = {s.sample_id: 1.0 for s in share} | ({idle.sample_id: 0.0} if idle else {})
         mine = rows_of(share, ones, cfg, rope, idle)
-        sources = target_sources(share, lambda coded: rows_of(coded, ones, cfg, None, idle))
+        sources = row_sources(share, ones, cfg, idle)
         for i in range(reduce_max(len(mine), device)):
             row = mine[i] if i < len(mine) else make_row([idle] if idle else [], ones, cfg.packing, rope)
             logp = old_logprobs(model, row.to(device), cfg.logit_chunk)
@@ -200,7 +200,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             old: list[torch.Tensor | None] = [None] * n_rows
             if proximal is not None:  # the proximal logprobs of the rows' targets; filler rows have none
                 found = [proximal.gather(share, src).to(device)
-                         for src in target_sources(share, lambda coded: rows_of(coded, coef, cfg, None, idle))]
+                         for src in row_sources(share, coef, cfg, idle)]
                 old = [*found, *[torch.empty(0, device=device)] * (n_rows - len(found))]
             sums, is_max = Counter(), 0.0
             for row, old_logp in zip(rows, old):
@@ -252,6 +252,12 @@ def rows_of(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig, rop
     if idle is not None:
         groups = [group if any(s.images for s in group) else [*group, idle] for group in groups]
     return [make_row(group, coef, cfg.packing, rope) for group in groups]
+
+
+def row_sources(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig,
+                idle: Sample | None = None) -> list[Sources]:
+    """Where the trainable targets of each row `rows_of` makes from these samples come from (`target_sources`)."""
+    return target_sources(samples, lambda coded: rows_of(coded, coef, cfg, None, idle))
 
 
 def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:

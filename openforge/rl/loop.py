@@ -76,8 +76,9 @@ RL_EPISODES = """CREATE TABLE IF NOT EXISTS rl_episodes (
 RL_MISMATCHES = """CREATE TABLE IF NOT EXISTS rl_reward_mismatches (
     iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, result_reward DOUBLE, db_reward DOUBLE)"""
 REWARD_TOLERANCE = 1e-9
+# rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
 UNTRACKED = ("iteration", "policy_version", "run_id", "tasks", "train_step_range", "checkpoint", "served", "eval",
-             "attempts", "recalibrated", "skipped_train")  # rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
+             "attempts", "recalibrated", "skipped_train")
 
 
 class RLError(RuntimeError):
