@@ -16,6 +16,7 @@ class ConfigError(ValueError):
 
 
 OBJECTIVES = ("ppo", "sft")  # `openforge train --objective` offers these
+GROUP_FILTERS = ("none", "dynamic")
 
 
 @dataclass
@@ -30,6 +31,10 @@ class TrainConfig:
     where: str = ""                   # SQL filter on the samples table, e.g. "run_id = 'r1' AND reward > 0"
     shuffle: bool = True              # deterministic shuffle by (seed, epoch); False = sample_id order
     seed: int = 0
+    keep_zero_advantage: bool = False  # ppo: also select samples whose advantage is 0 (they add no gradient,
+                                       # only their tokens to token-mean's denominator)
+    group_filter: str = "none"        # none | dynamic: keep a group with probability min(1, 1 - pass rate),
+                                      # drop groups with no positive reward or an aborted episode (seeded)
 
     # --- batch shape (in tokens, so long and short samples cost what they weigh)
     step_tokens: int = 65536          # global batch: samples are taken until their tokens reach this
@@ -40,7 +45,8 @@ class TrainConfig:
 
     # --- objective
     objective: str = "ppo"            # ppo (GRPO/PPO clipped surrogate) | sft
-    old_policy: str = "recompute"     # recompute: the trainer's logprobs before the step (no grad), engine
+    old_policy: str = "recompute"     # recompute: the proximal policy, the trainer's logprobs before the
+                                      # run's first update (one no-grad pass over the selection), engine
                                       # logprobs only as a truncated importance weight | engine: the engine's
     clip_low: float = 0.2             # ratio lower bound 1 - clip_low
     clip_high: float = 0.28           # ratio upper bound 1 + clip_high (asymmetric, "clip-higher")
@@ -71,6 +77,8 @@ class TrainConfig:
             raise ConfigError(f"objective must be 'ppo' or 'sft', not {self.objective!r}")
         if self.old_policy not in ("recompute", "engine"):
             raise ConfigError(f"old_policy must be 'recompute' or 'engine', not {self.old_policy!r}")
+        if self.group_filter not in GROUP_FILTERS:
+            raise ConfigError(f"group_filter must be {' or '.join(GROUP_FILTERS)}, not {self.group_filter!r}")
         if self.aggregation not in ("token-mean", "seq-mean", "episode-mean"):
             raise ConfigError(
                 f"aggregation must be token-mean, seq-mean or episode-mean, not {self.aggregation!r}"

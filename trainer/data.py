@@ -18,6 +18,10 @@ import pyarrow as pa
 COLUMNS = ("sample_id, episode_id, input_ids, loss_mask, behaviour_logprobs, advantage, reward, weight, n_images, "
            "processor")
 ARROW_ROWS = 256  # rows per Arrow record batch fetched from DuckDB
+# A GRPO group as reconstruct's advantages define it (rewards.advantage_sql, group_by = task): the task (the
+# run for samples without one) within one policy version.
+GROUP_KEY = ("coalesce(task_id, '\\x00run:' || coalesce(run_id, '')) || '\\x00v' || "
+             "coalesce(policy_version, -1)::VARCHAR")
 
 
 class DataError(ValueError):
@@ -27,6 +31,32 @@ class DataError(ValueError):
 def first_line(e: Exception) -> str:
     """DuckDB's message without the query excerpt it appends on later lines (an error is one line)."""
     return str(e).strip().splitlines()[0]
+
+
+def selection_filter(where: str = "", drop_zero_advantage: bool = False, group_filter: str = "none",
+                     seed: int = 0) -> str:
+    """SQL on `samples`: the trainable samples `where` selects; without those whose advantage is 0
+    (`drop_zero_advantage`: they add no gradient), and with `group_filter = "dynamic"` only in the groups
+    `dynamic_groups` keeps."""
+    base = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
+    out = base
+    if drop_zero_advantage:
+        out += " AND (advantage IS NULL OR advantage <> 0)"  # NULL stays selected: `check` names it
+    if group_filter == "dynamic":
+        out += f" AND {GROUP_KEY} IN ({dynamic_groups(base, seed)})"
+    return out
+
+
+def dynamic_groups(base: str, seed: int) -> str:
+    """SQL: the group keys the dynamic filter keeps among the samples `base` selects. Per group, over its
+    episodes: pass rate = the share with a reward > 0; a group with no positive reward, or with an aborted
+    episode (no reward), is dropped; any other is kept with probability min(1, 1 - pass rate), drawn from a
+    hash of (group, seed): the same groups on every rank and on a resume."""
+    episodes = (f"SELECT {GROUP_KEY} AS g, episode_id, any_value(reward) AS reward FROM samples WHERE {base} "
+                "GROUP BY ALL")
+    draw = f"hash(g || ':{int(seed)}') / 18446744073709551616.0"  # hash() is a UBIGINT: uniform in [0, 1)
+    return (f"SELECT g FROM ({episodes}) GROUP BY g HAVING count(*) FILTER (reward > 0) > 0 AND "
+            f"count(*) FILTER (reward IS NULL) = 0 AND {draw} < 1 - avg(CASE WHEN reward > 0 THEN 1.0 ELSE 0.0 END)")
 
 
 @dataclass
@@ -68,12 +98,17 @@ class Position:
 class SampleSource:
     """The selected samples of one DuckDB file (read-only: several ranks may open it at once)."""
 
-    def __init__(self, db: str, where: str = "", shuffle: bool = True, seed: int = 0, tree: bool = False) -> None:
+    def __init__(self, db: str, where: str = "", shuffle: bool = True, seed: int = 0, tree: bool = False,
+                 drop_zero_advantage: bool = False, group_filter: str = "none") -> None:
         try:
             self.con = duckdb.connect(db, read_only=True)
         except duckdb.Error as e:
             raise DataError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
-        self.filter = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
+        self.filter = selection_filter(where, drop_zero_advantage, group_filter, seed)
+        left_out = [(drop_zero_advantage, "samples whose advantage is 0 (every group with equal rewards; "
+                                          "keep_zero_advantage = true keeps them)"),
+                    (group_filter != "none", f"the groups group_filter = {group_filter} drops")]
+        self.left_out = [why for on, why in left_out if on]
         self.shuffle, self.seed, self.tree = shuffle, seed, tree
         try:  # binds the filter (columns, types) without reading a row
             self.con.execute(f"SELECT sample_id FROM samples WHERE {self.filter} LIMIT 0")
@@ -118,8 +153,9 @@ class SampleSource:
         (n,) = self.scalar(f"SELECT count(*) FROM samples WHERE {self.filter}")
         if n == 0:
             (total,) = self.scalar("SELECT count(*) FROM samples")
+            left_out = f" Left out: {'; '.join(self.left_out)}." if self.left_out else ""
             raise DataError(
-                f"no samples selected (filter: {self.filter}); the table holds {total} samples. "
+                f"no samples selected (filter: {self.filter}); the table holds {total} samples.{left_out} "
                 "Check --where, or run `openforge reconstruct` first."
             )
         too_long, longest = self.scalar(

@@ -90,10 +90,11 @@ def ppo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO: the clipped surrogate against the old policy, weighted for the engine that sampled.
 
-    r = pi_theta / pi_old, where pi_old is the trainer's own logprobs at the start of the step (or, with
-    old_policy = engine, the engine's). w = min(pi_old / pi_behaviour, is_cap), without gradient, and 1
-    where the engine gave no logprob: truncated importance sampling bounds the variance that engine/trainer
-    mismatch (quantisation, kernels) adds. Per token: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) w.
+    r = pi_theta / pi_old, where pi_old is the proximal policy: the trainer's own logprobs before the run's
+    first update (`train.proximal_pass`), or, with old_policy = engine, the engine's. w = min(pi_old /
+    pi_behaviour, is_cap), without gradient, and 1 where the engine gave no logprob: truncated importance
+    sampling bounds the variance that engine/trainer mismatch (quantisation, kernels) adds. Per token:
+    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) w.
     When pi_old is the engine's, w = 1 and r itself is truncated: above is_cap it counts as is_cap (value,
     and gradient is_cap * grad log pi); PPO clipping applies on top, no gradient where it clips.
     """
@@ -119,6 +120,7 @@ def ppo_loss(
         "is_ratio_max": vs_engine.max().item() if vs_engine.numel() else 0.0,
         "is_truncated": (truncated | (engine_ratio > cfg.is_cap)).sum().item(),
         "clipped": (clipped.detach() < unclipped.detach()).sum().item(),
+        "ratio_dev_sum": (ratio.detach() - 1).abs().sum().item(),
     }
     return loss, stats
 
@@ -127,7 +129,7 @@ def sft_loss(logp: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, dict
     """Negative log-likelihood of the trainable tokens (e.g. successful episodes only)."""
     loss = -(logp * coef).sum()
     return loss, {"policy_loss": loss.item(), "kl": 0.0, "is_ratio_sum": 0.0, "is_ratio_max": 0.0,
-                  "is_truncated": 0.0, "clipped": 0.0}
+                  "is_truncated": 0.0, "clipped": 0.0, "ratio_dev_sum": 0.0}
 
 
 def row_loss(logp: torch.Tensor, entropy: torch.Tensor, row: Row, cfg: TrainConfig,

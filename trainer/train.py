@@ -7,12 +7,13 @@ and FSDP2 (CUDA: NCCL, bf16 compute; CPU: gloo, fp32) keeps the ranks' weights i
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from openforge.trainer.data import DataError, Position, Sample, SampleSource, co
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
 from openforge.trainer.model import check_vocab, load_model, shard_model, vl_config
 from openforge.trainer.packing import MRope, Row, coefficients, make_row, plan_rows, rank_share
+from openforge.trainer.proximal import ProximalLogprobs, Sources, target_sources
 from openforge.trainer.tree import tree_rows
 from openforge.trainer.vision import attach_pixels, check_pixels, idle_sample, mrope
 
@@ -59,8 +61,32 @@ def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.
 
 @torch.no_grad()
 def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logit_chunk) -> torch.Tensor:
-    """PPO's old policy: the model's logprobs of the row's trainable targets before this step's update."""
+    """PPO's old (proximal) policy: the model's logprobs of the row's trainable targets, without grad."""
     return policy_logprobs(model, row, chunk)[0]
+
+
+def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterator[tuple[list[Sample], Position]],
+                  cfg: TrainConfig, rank: int, world_size: int, device: torch.device, rope: MRope | None = None,
+                  idle: Sample | None = None, store: ProximalLogprobs | None = None) -> ProximalLogprobs:
+    """The proximal policy's logprobs of every sample this rank trains in `batches` (the run's steps), at the
+    weights before the first update, added to `store` (what a resumed run saved). Each step's share is dealt
+    as training deals it (`rank_share`), so a rank computes exactly the samples it will see; those it has
+    already are not computed again. Every rank runs as many forwards per step (FSDP collectives)."""
+    store = store if store is not None else ProximalLogprobs()
+    for batch, _ in batches:
+        share = [s for s in rank_share(batch, rank, world_size, by_episode=cfg.tree) if s.sample_id not in store]
+        attach_pixels(source, share)
+        ones = {s.sample_id: 1.0 for s in share} | ({idle.sample_id: 0.0} if idle else {})
+        mine = rows_of(share, ones, cfg, rope, idle)
+        sources = row_sources(share, ones, cfg, idle)
+        for i in range(reduce_max(len(mine), device)):
+            row = mine[i] if i < len(mine) else make_row([idle] if idle else [], ones, cfg.packing, rope)
+            logp = old_logprobs(model, row.to(device), cfg.logit_chunk)
+            if i < len(mine):
+                store.put(share, sources[i], logp)
+    if store.missing():
+        raise RuntimeError(f"proximal policy: {store.missing()} trainable tokens got no logprob")
+    return store
 
 
 def steps_phrase(done: int, total: int) -> str:
@@ -103,14 +129,16 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     master = rank == 0
 
     # --- data, model, optimizer (and, with --resume, where the last run stopped)
-    source = SampleSource(cfg.db, cfg.where, cfg.shuffle, cfg.seed, cfg.tree)
+    ppo = cfg.objective == "ppo"
+    source = SampleSource(cfg.db, cfg.where, cfg.shuffle, cfg.seed, cfg.tree,
+                          drop_zero_advantage=ppo and not cfg.keep_zero_advantage,
+                          group_filter=cfg.group_filter if ppo else "none")
     found = checkpoint.latest(cfg.out, say if master else lambda _: None) if resume else None
     if resume and found is None and master:
         say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
     ckpt, state = found or (None, None)
     model_dir = str(ckpt or cfg.model)
-    ppo = cfg.objective == "ppo"
-    recompute = ppo and cfg.old_policy == "recompute"  # the trainer computes pi_old itself at each step
+    recompute = ppo and cfg.old_policy == "recompute"  # the trainer computes pi_old itself: `proximal_pass`
     n_samples = source.check(cfg.row_tokens, check_vocab(model_dir, source.vocab_sizes()),
                              needs_logprobs=ppo and not recompute, needs_advantage=ppo,
                              needs_weight=cfg.aggregation == "episode-mean")
@@ -140,8 +168,21 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             f"{world_size} rank(s) on {device.type}, objective {cfg.objective}")
 
     from_start, trained = position == Position(), set()  # which samples a fixed step count reached
-    progress = ProgressBar(cfg.progress and master, total_steps, step)
     epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
+    proximal = None
+    if recompute and step < total_steps:  # one pass over what the run's steps will read, before any update
+        t0 = time.perf_counter()
+        proximal = ProximalLogprobs.load(None if new_selection else ckpt, rank)
+        saved = len(proximal)
+        planned = source.batches(cfg.step_tokens, position, epochs)
+        proximal_pass(model, source, itertools.islice(planned, total_steps - step), cfg, rank, world_size, device,
+                      rope, idle, proximal)
+        planned.close()
+        if master:
+            kept = f", {saved} kept from {ckpt.name}" if saved else ""
+            say(f"proximal policy: logprobs of {len(proximal) - saved} samples before the first update{kept} "
+                f"(rank 0: {proximal.tokens} trainable tokens, {time.perf_counter() - t0:.1f} s)")
+    progress = ProgressBar(cfg.progress and master, total_steps, step)
     batches = source.batches(cfg.step_tokens, position, epochs)
     with progress, source:
         for batch, next_position in batches:
@@ -156,7 +197,11 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
             rows = [(mine[i] if i < len(mine) else make_row([idle] if idle else [], coef, cfg.packing, rope)
                      ).to(device) for i in range(n_rows)]
-            old = [old_logprobs(model, row, cfg.logit_chunk) if recompute else None for row in rows]  # before updating
+            old: list[torch.Tensor | None] = [None] * n_rows
+            if proximal is not None:  # the proximal logprobs of the rows' targets; filler rows have none
+                found = [proximal.gather(share, src).to(device)
+                         for src in row_sources(share, coef, cfg, idle)]
+                old = [*found, *[torch.empty(0, device=device)] * (n_rows - len(found))]
             sums, is_max = Counter(), 0.0
             for row, old_logp in zip(rows, old):
                 loss, stats = forward_loss(model, row, cfg, ref, old_logp)
@@ -182,7 +227,9 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
                 if on_step is not None:
                     on_step(record)
             if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-                checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
+                saved_at = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
+                if proximal is not None:
+                    proximal.save(saved_at, rank)
     final = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
     if master:
         if from_start and cfg.steps and len(trained) < n_samples:
@@ -205,6 +252,12 @@ def rows_of(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig, rop
     if idle is not None:
         groups = [group if any(s.images for s in group) else [*group, idle] for group in groups]
     return [make_row(group, coef, cfg.packing, rope) for group in groups]
+
+
+def row_sources(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig,
+                idle: Sample | None = None) -> list[Sources]:
+    """Where the trainable targets of each row `rows_of` makes from these samples come from (`target_sources`)."""
+    return target_sources(samples, lambda coded: rows_of(coded, coef, cfg, None, idle))
 
 
 def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -256,7 +309,7 @@ def step_metrics(step: int, position: Position, batch: list[Sample], sums: Count
     return {
         "step": step, "epoch": position.epoch, "lr": lr,
         "loss": s["loss"], "policy_loss": s["policy_loss"], "kl": s["kl"], "entropy": s["entropy_sum"] / n,
-        "clip_frac": s["clipped"] / n, "is_ratio_mean": s["is_ratio_sum"] / engine,
+        "clip_frac": s["clipped"] / n, "ratio_dev": s["ratio_dev_sum"] / n, "is_ratio_mean": s["is_ratio_sum"] / engine,
         "is_ratio_max": s["is_ratio_max"], "is_truncated_frac": s["is_truncated"] / n, "grad_norm": grad_norm,
         "engine_logprob_share": s["engine_tokens"] / n, "engine_gap_mean": s["engine_gap_sum"] / engine,
         "samples": len(batch), "tokens": int(s["tokens"]), "trainable_tokens": int(s["trainable"]),

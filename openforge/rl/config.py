@@ -104,10 +104,13 @@ class TrackingSettings:
     project: str = "openforge"    # W&B project, MLflow experiment
 
 
-# The trainer's defaults the loop changes: a constant learning rate (a cosine schedule would restart every
-# iteration) and a few steps per iteration.
-TRAIN_DEFAULTS: dict[str, Any] = {"steps": 2, "lr": 1e-5, "min_lr_ratio": 1.0, "step_tokens": 4096,
-                                  "row_tokens": 4096}
+# The trainer's defaults the loop changes (docs/rl.md, "Defaults and their sources"): a few steps per iteration,
+# a linear warmup over the run's first steps (AdamW's first update moves every weight by about lr whatever its
+# gradient; the scheduler's step count carries over between iterations), then a constant learning rate (a
+# cosine schedule would restart every iteration). lr 1e-5 suits the default 135M model and the few steps a
+# demo has; the recipes for 8B-30B models use 1e-6.
+TRAIN_DEFAULTS: dict[str, Any] = {"steps": 2, "lr": 1e-5, "warmup_steps": 3, "min_lr_ratio": 1.0,
+                                  "step_tokens": 4096, "row_tokens": 4096}
 
 
 @dataclass

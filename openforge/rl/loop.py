@@ -76,8 +76,9 @@ RL_EPISODES = """CREATE TABLE IF NOT EXISTS rl_episodes (
 RL_MISMATCHES = """CREATE TABLE IF NOT EXISTS rl_reward_mismatches (
     iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, result_reward DOUBLE, db_reward DOUBLE)"""
 REWARD_TOLERANCE = 1e-9
+# rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
 UNTRACKED = ("iteration", "policy_version", "run_id", "tasks", "train_step_range", "checkpoint", "served", "eval",
-             "attempts", "recalibrated")  # rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
+             "attempts", "recalibrated", "skipped_train")
 
 
 class RLError(RuntimeError):
@@ -98,6 +99,7 @@ class State:
     restarts: int = 0  # engine restarts after it died (each one also names reruns, as a resume does)
     train_start_step: int = -1  # the trainer's step when this iteration's training began (-1: not yet)
     checkpoint: str = ""  # what this iteration trained ("" = nothing: no samples, or not yet)
+    skipped_train: str = ""  # why this iteration had nothing to learn (no optimizer step, nothing published)
     dropped: dict[str, str] = field(default_factory=dict)  # task id -> why re-calibration dropped it
     seconds: dict[str, float] = field(default_factory=dict)
     format: int = STATE_VERSION
@@ -333,7 +335,7 @@ class RLRun:
     def iteration(self) -> None:
         i, s = self.state.iteration, self.state
         if s.stage == STAGES[0]:
-            s.seconds, s.train_start_step, s.checkpoint = {}, -1, ""
+            s.seconds, s.train_start_step, s.checkpoint, s.skipped_train = {}, -1, "", ""
         self.console.rule(f"iteration {i + 1}/{self.cfg.loop.iterations} (policy version {s.version})")
         for stage in STAGES[STAGES.index(s.stage):-1]:
             started = time.monotonic()
@@ -343,7 +345,7 @@ class RLRun:
             s.seconds[stage] = round(s.seconds.get(stage, 0.0) + time.monotonic() - started, 3)
             s.stage = STAGES[STAGES.index(stage) + 1]
             s.save(self.state_path)
-        line = self.summary_line(i)
+        line = self.summary_line(i) | {"skipped_train": s.skipped_train or None}
         dropped = self.recalibrate(i)
         if dropped is not None:
             line["recalibrated"] = {"band": list(self.cfg.tasks.band), "dropped": dropped,
@@ -553,7 +555,8 @@ class RLRun:
 
     def train(self, i: int) -> None:
         """Policy-gradient steps on the selection, continuing the weights and optimizer state of the last
-        iteration; nothing when the selection is empty (the same weights are published again)."""
+        iteration. An iteration with nothing to learn (`nothing_to_learn`) runs no step and saves nothing: the
+        engine keeps serving the same weights, and rl.jsonl's `skipped_train` says why."""
         import torch
 
         from openforge.trainer import checkpoint
@@ -576,8 +579,10 @@ class RLRun:
         finally:
             con.close()
         where = self.selection(i)
-        if not count_samples(self.db, where):
-            self.console.print("  [yellow]no trainable samples this iteration[/]: the policy stays as it is")
+        s.skipped_train = nothing_to_learn(self.db, where, self.cfg.train_config("", "", "", where))
+        if s.skipped_train:
+            self.console.print(f"  [yellow]nothing to learn[/]: {s.skipped_train}; no optimizer step, the engine "
+                               f"keeps serving the same weights")
             return
         try:
             cfg = self.cfg.train_config(str(self.db), str(self.base_model), str(self.train_out), where)
@@ -731,12 +736,30 @@ def reward_mismatches(con: duckdb.DuckDBPyConnection,
     return found
 
 
-def count_samples(db: Path, where: str) -> int:
+def nothing_to_learn(db: Path, where: str, cfg: Any) -> str:
+    """Why the trainer would select nothing from the samples `where` selects (`cfg`: its TrainConfig): no
+    trainable sample, every group with equal rewards (advantage 0 everywhere), or the dynamic group filter
+    keeping none; "" when there is something to learn."""
+    from openforge.trainer.data import GROUP_KEY, selection_filter
+
+    ppo = cfg.objective == "ppo"
+    chosen = selection_filter(where, ppo and not cfg.keep_zero_advantage, cfg.group_filter if ppo else "none",
+                              cfg.seed)
     con = duckdb.connect(str(db), read_only=True)
     try:
-        return int(con.execute(f"SELECT count(*) FROM samples WHERE n_trainable > 0 AND {where}").fetchone()[0])
+        (selected,) = con.execute(f"SELECT count(*) FROM samples WHERE {chosen}").fetchone()
+        groups, equal = con.execute(
+            f"SELECT count(*), count(*) FILTER (NOT learns) FROM (SELECT {GROUP_KEY}, coalesce(bool_or(advantage "
+            f"<> 0), false) AS learns FROM samples WHERE n_trainable > 0 AND ({where}) GROUP BY ALL)").fetchone()
     finally:
         con.close()
+    if selected:
+        return ""
+    if not groups:
+        return "no trainable samples in this iteration's episodes"
+    if equal == groups and ppo and not cfg.keep_zero_advantage:
+        return f"every group had equal rewards ({groups} group{'s' * (groups != 1)})"
+    return f"group_filter = {cfg.group_filter} kept none of {groups} groups ({equal} with equal rewards)"
 
 
 def zero_variance_share(results: list[dict[str, Any]]) -> float | None:
