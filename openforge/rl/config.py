@@ -105,9 +105,10 @@ class TrackingSettings:
 
 
 # The trainer's defaults the loop changes: a constant learning rate (a cosine schedule would restart every
-# iteration) and a few steps per iteration.
+# iteration), a few steps per iteration, and tree mode where it computes fewer tokens (a group's episodes share
+# their task prompt).
 TRAIN_DEFAULTS: dict[str, Any] = {"steps": 2, "lr": 1e-5, "min_lr_ratio": 1.0, "step_tokens": 4096,
-                                  "row_tokens": 4096}
+                                  "row_tokens": 4096, "tree": "auto"}
 
 
 @dataclass
