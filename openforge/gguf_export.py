@@ -5,6 +5,9 @@ template, same hyper-parameters); the weights are written in f16 (matrices) and 
 llama.cpp's tensor names. llama.cpp's converter permutes the rows of Llama's q/k projections (its RoPE
 pairs dimensions differently from transformers') and transformers undoes that on load, so export
 permutes again.
+
+`served_gguf` gives the starting GGUF the same treatment, so an RL run serves every policy, the first
+included, at the precision export writes (SmolLM2's shipped GGUF is Q4_1).
 """
 
 from __future__ import annotations
@@ -108,3 +111,32 @@ def export_gguf(
         writer.close()
         tmp_path.unlink(missing_ok=True)
     return out_path
+
+
+def stored_as_exported(gguf_path: Path | str, dtype: str = "f16") -> bool:
+    """Whether every tensor of the GGUF is stored as `export_gguf` writes it: matrices in `dtype`, the rest f32."""
+    import gguf
+
+    matrix = gguf.GGMLQuantizationType[dtype.upper()]
+    reader = gguf.GGUFReader(str(gguf_path))
+    return all(t.tensor_type == (matrix if len(t.shape) > 1 else gguf.GGMLQuantizationType.F32)
+               for t in reader.tensors)
+
+
+def served_gguf(gguf_path: Path | str, dtype: str = "f16") -> Path:
+    """The GGUF an RL run serves as its first policy: `gguf_path` itself when it is stored as every later
+    (exported) policy is, else its weights as the trainer starts from them (transformers' dequantised
+    conversion, `models.hf_dir`) exported to `dtype` with the same metadata: so policy 0 and policy 1 differ
+    by the training step alone, not by quantisation too. Made once, cached beside the conversion."""
+    from safetensors.torch import load_file
+
+    from openforge.models import cache_dir, hf_dir
+
+    path = Path(gguf_path)
+    if stored_as_exported(path, dtype):
+        return path
+    target = cache_dir(path).with_name(f"{cache_dir(path).name}.{dtype}.gguf")
+    if target.is_file():
+        return target
+    weights = {k: v for file in sorted(hf_dir(path).glob("*.safetensors")) for k, v in load_file(str(file)).items()}
+    return export_gguf(weights, path, target, dtype=dtype)

@@ -40,8 +40,9 @@ class TrainConfig:
     step_tokens: int = 65536          # global batch: samples are taken until their tokens reach this
     row_tokens: int = 4096            # one packed row = one forward/backward; longest sample allowed
     packing: bool = True              # False: one sample per row, padded to the row's longest (baseline)
-    tree: bool = False                # an episode's samples as one token tree, shared prefixes computed once
-                                      # (tree attention mask, positions by depth; docs/trainer.md "Tree mode")
+    tree: bool | str = False          # true: an episode's samples as one token tree, shared prefixes computed
+                                      # once (tree attention mask, positions by depth); "auto": per global batch,
+                                      # tree rows when they compute fewer tokens than chains (docs/trainer.md)
 
     # --- objective
     objective: str = "ppo"            # ppo (GRPO/PPO clipped surrogate) | sft
@@ -91,6 +92,8 @@ class TrainConfig:
             raise ConfigError(
                 f"need row_tokens <= step_tokens (got row_tokens={self.row_tokens}, step_tokens={self.step_tokens})"
             )
+        if self.tree not in (True, False, "auto"):
+            raise ConfigError(f'tree must be true, false or "auto", not {self.tree!r}')
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
         return self
@@ -120,9 +123,15 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# Words a field of another type also takes.
+WORDS = {"tree": ("auto",)}
+
+
 def coerce(name: str, value: Any, default: Any) -> Any:
     """Convert a TOML value or a `--set` string to the type of the field's default."""
     kind = type(default)
+    if isinstance(value, str) and value.lower() in WORDS.get(name, ()):
+        return value.lower()
     try:
         if isinstance(value, str) and kind is not str:
             if kind is bool:
@@ -137,7 +146,8 @@ def coerce(name: str, value: Any, default: Any) -> Any:
         if kind is tuple and isinstance(value, list):
             return tuple(float(v) for v in value)
     except (ValueError, TypeError):
-        raise ConfigError(f"{name}: cannot read {value!r} as {kind.__name__}") from None
+        also = "".join(f" or {word!r}" for word in WORDS.get(name, ()))
+        raise ConfigError(f"{name}: cannot read {value!r} as {kind.__name__}{also}") from None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{name}: expected {kind.__name__}, got {value!r}")
     return value

@@ -28,7 +28,7 @@ from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
 from openforge.trainer.model import check_vocab, load_model, shard_model, vl_config
 from openforge.trainer.packing import MRope, Row, coefficients, make_row, plan_rows, rank_share
 from openforge.trainer.proximal import ProximalLogprobs, Sources, target_sources
-from openforge.trainer.tree import tree_rows
+from openforge.trainer.tree import TreeChoice
 from openforge.trainer.vision import attach_pixels, check_pixels, idle_sample, mrope
 
 
@@ -143,7 +143,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
                              needs_logprobs=ppo and not recompute, needs_advantage=ppo,
                              needs_weight=cfg.aggregation == "episode-mean")
     vl = vl_config(model_dir)
-    images = source.check_images(vl.image_token_id if vl else None, cfg.tree)
+    images = source.check_images(vl.image_token_id if vl else None, cfg.tree is True)
     if images:
         check_pixels(source, vl.vision_config)
     model = load_model(model_dir, device, cfg.grad_checkpointing, cfg.tree)
@@ -168,6 +168,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             f"{world_size} rank(s) on {device.type}, objective {cfg.objective}")
 
     from_start, trained = position == Position(), set()  # which samples a fixed step count reached
+    trees = TreeChoice(cfg.tree, cfg.row_tokens, say if master else lambda _: None)
     epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
     proximal = None
     if recompute and step < total_steps:  # one pass over what the run's steps will read, before any update
@@ -193,7 +194,7 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
             coef = coefficients(batch, cfg.aggregation) | ({idle.sample_id: 0.0} if idle else {})
             share = rank_share(batch, rank, world_size, by_episode=cfg.tree)
             attach_pixels(source, share)
-            mine = rows_of(share, coef, cfg, rope, idle)
+            mine = rows_of(share, coef, cfg, rope, idle, trees)
             n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
             rows = [(mine[i] if i < len(mine) else make_row([idle] if idle else [], coef, cfg.packing, rope)
                      ).to(device) for i in range(n_rows)]
@@ -242,16 +243,18 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
 
 
 def rows_of(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig, rope: MRope | None = None,
-            idle: Sample | None = None) -> list[Row]:
-    """This rank's rows: packed (or padded) samples, or in tree mode their token tree (text only); `rope`
-    for a vision-language model (`vision.mrope`); `idle` (`vision.idle_sample`) joins every row without an
-    image when several ranks train images."""
-    if cfg.tree:
-        return tree_rows(samples, coef, cfg.row_tokens)
+            idle: Sample | None = None, trees: TreeChoice | None = None) -> list[Row]:
+    """This rank's rows: packed (or padded) samples, or their token tree as `trees` (tree = true | false |
+    "auto") chooses (text only); `rope` for a vision-language model (`vision.mrope`); `idle`
+    (`vision.idle_sample`) joins every row without an image when several ranks train images."""
+    trees = trees or TreeChoice(cfg.tree, cfg.row_tokens, lambda _: None)
+    if trees.setting is True:
+        return trees.rows(samples, coef, [])
     groups = plan_rows(samples, cfg.row_tokens, cfg.packing)
     if idle is not None:
         groups = [group if any(s.images for s in group) else [*group, idle] for group in groups]
-    return [make_row(group, coef, cfg.packing, rope) for group in groups]
+    chains = [make_row(group, coef, cfg.packing, rope) for group in groups]
+    return chains if rope is not None else trees.rows(samples, coef, chains)
 
 
 def row_sources(samples: list[Sample], coef: dict[str, float], cfg: TrainConfig,

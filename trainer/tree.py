@@ -14,6 +14,7 @@ but gets its own copy of the rest of its chain, so the tree always computes what
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -131,7 +132,12 @@ def tree_rows(samples: list[Sample], coef: dict[str, float], row_tokens: int) ->
     if not samples:
         return []
     tree = build_tree(samples)
-    parts = pieces(tree, row_tokens)
+    return rows_of_pieces(tree, samples, coef, pieces(tree, row_tokens), row_tokens)
+
+
+def rows_of_pieces(tree: Tree, samples: list[Sample], coef: dict[str, float], parts: list[list[int]],
+                   row_tokens: int) -> list[Row]:
+    """The pieces packed first-fit decreasing into rows (a row computes exactly its pieces' nodes)."""
     seen = np.zeros(len(tree), dtype=bool)
     fresh = []  # per piece: the nodes whose loss (and sample tokens) count here, the first piece holding them
     for nodes in parts:
@@ -174,3 +180,46 @@ def tree_row(tree: Tree, samples: list[Sample], coef: dict[str, float],
     return Row(t(np.asarray(tree.token)[nodes]), t(np.asarray(tree.depth)[nodes]), mask[None, None], t(trained),
                t(behaviour), t(has_behaviour), t(advantage), t(cf),
                int(np.asarray(tree.count)[nodes][counted].sum()), parent=t(np.asarray(parent, dtype=np.int64)))
+
+
+class TreeChoice:
+    """Which rows each global batch trains on: `tree = true` tree rows, `false` the chains, `"auto"` whichever
+    computes fewer tokens, said once per run and mode (`say`).
+
+    Both compute the same loss and gradients (tree mode's tests), so the choice is per batch: the model is
+    loaded with sdpa whenever tree mode may be used (`load_model`: flash-attention takes no tree mask), and
+    sdpa runs packed chain rows too (restarting position ids make its block-diagonal mask). The count is
+    exact and cheap: the tree's pieces (a dictionary walk over the batch's tokens) against the chain rows'
+    length, before any forward pass. Rows with images stay chains (`rows_of` passes them without asking).
+    """
+
+    def __init__(self, setting: bool | str, row_tokens: int, say: Callable[[str], None]) -> None:
+        self.setting, self.row_tokens, self.say = setting, row_tokens, say
+        self.said: set[str] = set()
+
+    def rows(self, samples: list[Sample], coef: dict[str, float], chains: list[Row]) -> list[Row]:
+        """This rank's rows of `samples`: `chains` (their packed or padded chain rows) or their tree rows."""
+        if self.setting is True:
+            return tree_rows(samples, coef, self.row_tokens)
+        if self.setting is False or not samples:
+            return chains
+        tree = build_tree(samples)
+        parts = pieces(tree, self.row_tokens)
+        in_tree, in_chains = sum(len(p) for p in parts), sum(r.input_ids.numel() for r in chains)
+        if in_tree < in_chains:
+            self.once("tree", f"tree mode: {kilo(in_tree)} tokens computed instead of {kilo(in_chains)} "
+                              f"({in_chains / in_tree:.1f}x fewer)")
+            return rows_of_pieces(tree, samples, coef, parts, self.row_tokens)
+        self.once("chains", f"packed chains: {kilo(in_chains)} tokens computed (tree mode would compute "
+                            f"{kilo(in_tree)}: too little shared)")
+        return chains
+
+    def once(self, mode: str, line: str) -> None:
+        if mode not in self.said:
+            self.said.add(mode)
+            self.say(line)
+
+
+def kilo(n: int) -> str:
+    """9500 -> '9.5k', 800 -> '800'."""
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)

@@ -107,10 +107,11 @@ class TrackingSettings:
 # The trainer's defaults the loop changes (docs/rl.md, "Defaults and their sources"): a few steps per iteration,
 # a linear warmup over the run's first steps (AdamW's first update moves every weight by about lr whatever its
 # gradient; the scheduler's step count carries over between iterations), then a constant learning rate (a
-# cosine schedule would restart every iteration). lr 1e-5 suits the default 135M model and the few steps a
-# demo has; the recipes for 8B-30B models use 1e-6.
+# cosine schedule would restart every iteration); tree mode where it computes fewer tokens (a group's episodes
+# share their task prompt). lr 1e-5 suits the default 135M model and the few steps a demo has; the recipes for
+# 8B-30B models use 1e-6.
 TRAIN_DEFAULTS: dict[str, Any] = {"steps": 2, "lr": 1e-5, "warmup_steps": 3, "min_lr_ratio": 1.0,
-                                  "step_tokens": 4096, "row_tokens": 4096}
+                                  "step_tokens": 4096, "row_tokens": 4096, "tree": "auto"}
 
 
 @dataclass

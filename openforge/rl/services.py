@@ -2,7 +2,8 @@
 the engine while the proxy holds new calls (pause -> publish -> resume with the next policy version).
 
 llama.cpp cannot swap weights in place: publishing exports the checkpoint to GGUF (f16) and restarts the
-server on the same port. vLLM (development mode, never facing the network) reloads them in place.
+server on the same port; the first policy is served at that precision too (`gguf_export.served_gguf`).
+vLLM (development mode, never facing the network) reloads them in place.
 
 Secrets reach both servers as files in the run's `secrets/` directory (0600 in a 0700 directory), never
 through a command line or an environment: the engine requires a key only the proxy and the loop hold.
@@ -139,12 +140,20 @@ class Policy:
 
 
 class LlamaCppPolicy(Policy):
-    """The embedded llama.cpp engine; new weights = GGUF export + restart on the same port."""
+    """The embedded llama.cpp engine; new weights = GGUF export + restart on the same port. `served` as
+    quantised GGUF (the starting weights) is served as its f16 export, as every later policy is."""
 
     profile = "llamacpp"
 
     def __init__(self, cfg: RLConfig, template_gguf: Path, served: Path, log_path: Path, key_file: Path) -> None:
+        from openforge.gguf_export import ExportError, served_gguf
+
         self.cfg, self.template_gguf, self.log_path, self.key_file = cfg, template_gguf, log_path, key_file
+        try:
+            served = served_gguf(served)
+        except ExportError as e:
+            raise EngineError(f"cannot serve {served} at the precision of the policies the loop publishes: {e}") \
+                from None
         self.engine = self._engine(served, port=0)
 
     def _engine(self, gguf: Path, port: int) -> EmbeddedEngine:
