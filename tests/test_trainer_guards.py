@@ -233,7 +233,7 @@ def loop_train(tmp_path: Path, model: Path, rows: list[dict]) -> list[dict]:
 
     cfg = load_rl_config(sets={"engine.backend": "vllm", "engine.model": str(model), "train.steps": "1",
                                "train.step_tokens": "160", "train.row_tokens": "160", "train.device": "cpu",
-                               "train.progress": "false"})
+                               "train.progress": "false", "train.tree": "false"})  # one row per sample
     run = RLRun(cfg, tmp_path / "rl", Console(file=open(os.devnull, "w")))
     run.out.mkdir()
     run.db = write_samples(tmp_path / "rl.duckdb", rows)
