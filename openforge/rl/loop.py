@@ -68,7 +68,7 @@ from openforge.tracking import TrackerError, Trackers
 
 STAGES = ("eval", "rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
 STATE_VERSION = 1
-METRIC_MEANS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "is_ratio_mean", "is_truncated_frac",
+METRIC_MEANS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "ratio_dev", "is_ratio_mean", "is_truncated_frac",
                 "grad_norm", "engine_gap_mean", "engine_logprob_share", "tokens_per_s")
 RL_EPISODES = """CREATE TABLE IF NOT EXISTS rl_episodes (
     iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, task_id VARCHAR, toolchain VARCHAR,
@@ -275,7 +275,7 @@ class RLRun:
         else:
             policy = VllmPolicy(self.cfg, served, self.logs / "engine.log", key_file)
         with contextlib.ExitStack() as stack:
-            with self.console.status(f"starting the engine ({policy.profile}) on {served}"):
+            with self.console.status(f"starting the engine ({policy.profile}) on {policy.served}"):
                 policy.start()
             stack.callback(policy.stop)
             self.policy = policy

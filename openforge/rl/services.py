@@ -114,6 +114,7 @@ class Policy:
 
     profile: str
     engine: EngineProcess
+    served: Path  # what the engine serves now (a GGUF or a checkpoint directory)
 
     def start(self) -> None:
         self.engine.start()
@@ -154,7 +155,7 @@ class LlamaCppPolicy(Policy):
         except ExportError as e:
             raise EngineError(f"cannot serve {served} at the precision of the policies the loop publishes: {e}") \
                 from None
-        self.engine = self._engine(served, port=0)
+        self.served, self.engine = served, self._engine(served, port=0)
 
     def _engine(self, gguf: Path, port: int) -> EmbeddedEngine:
         e = self.cfg.engine
@@ -170,7 +171,7 @@ class LlamaCppPolicy(Policy):
         export_gguf(load_file(str(checkpoint / "model.safetensors")), self.template_gguf, target)
         port = self.engine.port
         self.engine.stop()
-        self.engine = self._engine(target, port)
+        self.served, self.engine = target, self._engine(target, port)
         self.engine.start()
         return target
 
@@ -184,6 +185,7 @@ class VllmPolicy(Policy):
         from openforge.vllm_engine import VllmEngine
 
         e = cfg.engine
+        self.served = served
         self.engine: VllmEngine = VllmEngine(served, name=e.name, max_model_len=e.max_model_len,
                                              threads=e.threads, dev_mode=True, log_path=log_path,
                                              api_key_file=key_file)
@@ -192,7 +194,7 @@ class VllmPolicy(Policy):
         from openforge.vllm_engine import reload_weights
 
         reload_weights(self.engine.url, checkpoint, headers=self.engine.headers())
-        self.engine.model_dir = checkpoint  # what a restart serves
+        self.engine.model_dir = self.served = checkpoint  # what a restart serves
         return checkpoint
 
 
