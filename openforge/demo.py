@@ -96,13 +96,15 @@ def next_commands(out: Path, served: str, iterations: int) -> list[str]:
     root = " --allow-root" if os.geteuid() == 0 else ""  # jupyter refuses to start as root without it
     lab = (f"OPENFORGE_RL_DIR={out.resolve()} {jupyter} lab{root} notebooks/rl_run.ipynb   (the run, plotted)"
            if jupyter else f"pip install jupyterlab, then OPENFORGE_RL_DIR={out.resolve()} jupyter lab notebooks/")
+    serve = (f"{openforge} engine --gguf {served}   (serve the trained policy)" if served else
+             "(no iteration had anything to learn, so no policy was published: see rl.jsonl's skipped_train)")
     return [
         lab,
         f"{openforge} rl --out {out} --resume --iterations {iterations + 2}   (two more iterations)",
         f"{openforge} rl --out rl-vllm --engine vllm   (the same loop on real vLLM: make setup-vllm first)",
         f"{openforge} rl --out rl-codex --tasks TASKS.jsonl --toolchain codex --set proxy.max_tokens=256   "
         "(a real CLI on your own tasks: docs/rollouts.md)",
-        f"{openforge} engine --gguf {served}   (serve the trained policy)",
+        serve,
     ]
 
 
