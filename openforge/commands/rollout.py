@@ -42,6 +42,21 @@ def register(app: typer.Typer) -> None:
     app.command("rollout")(rollout)
 
 
+def take_tokens(no_sandbox: bool) -> tuple[str | None, str | None]:
+    """The client and reward tokens, taken out of this process's environment so that no child inherits them
+    (each episode process gets the client token and its own key on a pipe); this process, which holds them,
+    hides its environment. Says what `--no-sandbox` leaves unprotected."""
+    from openforge.rollout.episode import hide_environment
+    from openforge.rollout.sandbox import NOT_PROTECTED
+    from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV
+
+    hide_environment()
+    client_token, reward_token = os.environ.pop(CLIENT_TOKEN_ENV, None), os.environ.pop(REWARD_TOKEN_ENV, None)
+    if no_sandbox:
+        print(NOT_PROTECTED, file=sys.stderr)
+    return client_token, reward_token
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -91,11 +106,9 @@ def rollout(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from openforge.rollout import k8s
-    from openforge.rollout.episode import hide_environment
     from openforge.rollout.run_failure import every_episode_failed
     from openforge.rollout.runner import RolloutError, check_proxy, execute, prepare
-    from openforge.rollout.sandbox import NOT_PROTECTED
-    from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult
+    from openforge.rollout.spec import EpisodeResult
 
     options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency,
                                    on_failure=",".join(on_failure) or "default",
@@ -118,11 +131,7 @@ def rollout(
             check_proxy(proxy)
     except (RolloutError, k8s.K8sOptionsError) as e:
         fail(str(e))
-    hide_environment()  # this process holds the reward token
-    # no child inherits them: each episode process gets the client token and its own key on a pipe
-    client_token, reward_token = os.environ.pop(CLIENT_TOKEN_ENV, None), os.environ.pop(REWARD_TOKEN_ENV, None)
-    if no_sandbox:
-        print(NOT_PROTECTED, file=sys.stderr)
+    client_token, reward_token = take_tokens(no_sandbox)
     console = Console(stderr=True)
     counts: dict[str, int] = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

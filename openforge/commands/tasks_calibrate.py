@@ -5,8 +5,6 @@ apart; their values are checked by the rollout itself (`openforge.rollout.run`).
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,10 +48,8 @@ def calibrate(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from openforge.rollout.episode import hide_environment
     from openforge.rollout.runner import RolloutError
-    from openforge.rollout.sandbox import NOT_PROTECTED
-    from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, EpisodeResult
+    from openforge.rollout.spec import EpisodeResult
     from openforge.taskforge.calibrate import CalibrationFailed, parse_band
     from openforge.taskforge.calibrate import calibrate as run_calibration
 
@@ -69,10 +65,7 @@ def calibrate(
         fail("--out must be another file than the task file")
     if not out.parent.is_dir():
         fail(f"--out: no such directory {out.parent}")
-    hide_environment()  # this process holds the reward token
-    client_token, reward_token = os.environ.pop(CLIENT_TOKEN_ENV, None), os.environ.pop(REWARD_TOKEN_ENV, None)
-    if no_sandbox:
-        print(NOT_PROTECTED, file=sys.stderr)
+    client_token, reward_token = rollout_command.take_tokens(no_sandbox)
     console = Console(stderr=True)
     counts: dict[str, int] = {}
     try:
