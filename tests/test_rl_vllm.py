@@ -34,7 +34,8 @@ def test_rl_loop_on_vllm_reloads_weights_in_place(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "openforge.cli", "rl", "--out", str(out), "--engine", "vllm", "--iterations", "2",
          "--attempts", "2", "--steps", "1", "--set", "rollout.max_tasks=2", "--set", "proxy.max_tokens=64",
-         "--set", "train.step_tokens=1024", "--set", "train.row_tokens=1024"],
+         "--set", "train.step_tokens=1024", "--set", "train.row_tokens=1024",
+         "--set", "train.keep_zero_advantage=true"],  # a step (and an in-place reload) every iteration
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     lines = [json.loads(x) for x in (out / "rl.jsonl").read_text().splitlines()]
