@@ -1,8 +1,8 @@
 """Test inputs for the trainer: a tiny real model directory, a real DuckDB with schema.sql samples, and
-gloo ranks forked from the test process.
+gloo ranks forked from a forkserver.
 
 The expensive parts are paid once per session: the Qwen3 tokenizer (shared with the reconstruct tests),
-the tiny model directory, and torch + transformers themselves (the 2-rank run forks the warm process).
+the tiny model directory, and torch + transformers themselves (the forkserver imports them once).
 """
 
 from __future__ import annotations
@@ -79,11 +79,18 @@ def one_torch_thread() -> Iterator[None]:
 
 def train_on_ranks(cfg, world_size: int) -> None:
     """Run `train(cfg)` on `world_size` gloo ranks set up as torchrun sets them up (RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT). The ranks are forked from this process, so they start with torch and
-    transformers already imported; a rank's exception is re-raised here with its traceback."""
+    MASTER_ADDR/PORT); a rank's exception is re-raised here with its traceback.
+
+    The ranks fork from a forkserver, never from the test process: a fork of a process whose OpenMP,
+    DuckDB and gloo threads are running can crash the child (a rank died of SIGSEGV that way). The
+    server imports the trainer once per session, so each rank still starts warm."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.start_processes(_rank, args=(world_size, free_port(), cfg), nprocs=world_size, start_method="fork")
+    multiprocessing.set_forkserver_preload([__name__, "openforge.trainer.train"])
+    mp.start_processes(_rank, args=(world_size, free_port(), cfg), nprocs=world_size,
+                       start_method="forkserver")
 
 
 def _rank(rank: int, world_size: int, port: int, cfg) -> None:
