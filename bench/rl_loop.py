@@ -3,12 +3,14 @@ does each take, where does the time go, and the peak memory of its largest proce
 
     .venv/bin/python bench/rl_loop.py --runs 3                 # the demo's defaults, 3 times
     .venv/bin/python bench/rl_loop.py --runs 1 -- --iterations 2 --tasks 2 --attempts 2 --steps 1
+    .venv/bin/python bench/rl_loop.py --runs 1 --variant "" --variant loop.checkpoint_every=1 -- --iterations 3
 
 Each run is `openforge demo --out <temp dir> [args]` in a fresh process; the per-stage seconds come from
 its rl.jsonl. Inside that process the trainer's and the publisher's parts are timed (wrappers around the
-functions that load, restore, save, check and export, and the step seconds metrics.jsonl records), so each
-iteration's train and publish stages split into training steps and everything else: the baseline for a
-resident trainer that keeps the model and the optimizer in memory. Prints a table per run and the totals.
+functions that load, restore, save, gather and export, and the step seconds metrics.jsonl records), so each
+iteration's train and publish stages split into training steps and everything else. `--variant` (repeat
+it) runs the demo once per variant in each round, with those `openforge rl --set` settings on top of the
+demo's, and ends with the variants side by side. Prints a table per run and the totals.
 """
 
 from __future__ import annotations
@@ -32,15 +34,16 @@ STAGES = ("eval", "rollout", "reconstruct", "train", "publish")
 # The parts timed inside the demo's process: (module, function) -> label. Each call appends a line to the
 # trace file; `train` marks which iteration the parts inside it belong to.
 TIMED = {
-    ("openforge.trainer.train", "train"): "train call",
+    ("openforge.rl.loop", "RLRun.train"): "train call",
     ("openforge.trainer.train", "load_model"): "model load",
     ("openforge.trainer.checkpoint", "latest"): "optimizer state load",
     ("openforge.trainer.checkpoint", "restore"): "state restore",
     ("openforge.trainer.checkpoint", "save"): "checkpoint save",
-    ("openforge.rl.loop", "check_checkpoint"): "checkpoint check",
+    ("openforge.trainer.checkpoint", "full_weights"): "weights gather",
     ("openforge.gguf_export", "export_gguf"): "GGUF export",
 }
 OVERHEAD = ("model load", "optimizer state load", "state restore", "checkpoint save")
+PUBLISH_PARTS = ("weights gather", "GGUF export")
 
 
 def traced(label: str, fn: Callable[..., Any], trace: Path) -> Callable[..., Any]:
@@ -55,14 +58,23 @@ def traced(label: str, fn: Callable[..., Any], trace: Path) -> Callable[..., Any
     return wrapper
 
 
-def child(trace: Path, demo_args: list[str]) -> None:
-    """The demo in this process, the TIMED functions wrapped (each looked up at call time by its caller)."""
+def child(trace: Path, sets: list[str], demo_args: list[str]) -> None:
+    """The demo in this process, the TIMED functions wrapped (each looked up at call time by its caller), the
+    `sets` (k=v) on top of the demo's settings."""
     import importlib
 
     for (module, name), label in TIMED.items():
-        mod = importlib.import_module(module)
-        setattr(mod, name, traced(label, getattr(mod, name), trace))
+        owner: Any = importlib.import_module(module)
+        *path, attr = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, attr, traced(label, getattr(owner, attr), trace))
+    import openforge.demo
     from openforge.cli import app
+
+    load = openforge.demo.load_rl_config
+    extra = dict(kv.split("=", 1) for kv in sets)
+    openforge.demo.load_rl_config = lambda *a, sets=None, **k: load(*a, sets={**(sets or {}), **extra}, **k)
 
     app(["demo", *demo_args], standalone_mode=True)
 
@@ -74,7 +86,7 @@ def split_iterations(out: Path, trace: Path) -> list[dict[str, float]]:
     metrics = out / "train" / "metrics.jsonl"
     steps = [json.loads(x) for x in metrics.read_text().splitlines() if x] if metrics.is_file() else []
     calls = sorted((e for e in events if e["what"] == "train call"), key=lambda e: e["start"])
-    exports = sorted((e for e in events if e["what"] in ("GGUF export", "checkpoint check")), key=lambda e: e["start"])
+    exports = sorted((e for e in events if e["what"] in PUBLISH_PARTS), key=lambda e: e["start"])
     rows = []
     for i, line in enumerate(lines):
         row: dict[str, float] = {k: float(line["seconds"].get(k, 0.0)) for k in STAGES}
@@ -93,7 +105,7 @@ def split_iterations(out: Path, trace: Path) -> list[dict[str, float]]:
             row["computed tokens"] = sum(s["computed_tokens"] for s in mine)
             row |= dict(parts)
             row["train other"] = call["seconds"] - row["steps"] - sum(parts.values())
-            row["outside train()"] = row["train"] - call["seconds"]  # the loop's own selection count, latest()
+            row["outside train()"] = row["train"] - call["seconds"]  # the stage's own bookkeeping
         publish = [e for e in exports if i < len(calls) and e["start"] > calls[i]["start"] and
                    (i + 1 >= len(calls) or e["start"] < calls[i + 1]["start"])]
         for e in publish:
@@ -103,14 +115,15 @@ def split_iterations(out: Path, trace: Path) -> list[dict[str, float]]:
     return rows
 
 
-def one_run(args: list[str]) -> tuple[bool, float, list[dict[str, float]], str]:
+def one_run(sets: list[str], args: list[str]) -> tuple[bool, float, list[dict[str, float]], str]:
     tmp = Path(tempfile.mkdtemp(prefix="openforge-rl-bench-"))
     out, trace = tmp / "demo", tmp / "trace.jsonl"
     started = time.monotonic()
     try:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
                                                                           os.environ.get("PYTHONPATH")])))
-        done = subprocess.run([sys.executable, __file__, "--child", str(trace), "--", "--out", str(out), *args],
+        done = subprocess.run([sys.executable, __file__, "--child", str(trace), json.dumps(sets), "--", "--out",
+                               str(out), *args],
                               capture_output=True, text=True, env=env)
         wall = time.monotonic() - started
         rows = split_iterations(out, trace) if (out / "rl.jsonl").is_file() else []
@@ -122,8 +135,7 @@ def one_run(args: list[str]) -> tuple[bool, float, list[dict[str, float]], str]:
 
 def table(rows: list[dict[str, float]]) -> str:
     """One column per iteration and one for the mean; a row per stage, then the parts of train and publish."""
-    keys = [*STAGES, "steps", *OVERHEAD, "train other", "outside train()", "checkpoint check", "GGUF export",
-            "engine restart + proxy"]
+    keys = [*STAGES, "steps", *OVERHEAD, "train other", "outside train()", *PUBLISH_PARTS, "engine restart + proxy"]
     keys = [k for k in keys if any(k in r for r in rows)]
     head = f"{'seconds':<28}" + "".join(f"{'it ' + str(i + 1):>9}" for i in range(len(rows))) + f"{'mean':>9}"
     out = [head]
@@ -133,38 +145,59 @@ def table(rows: list[dict[str, float]]) -> str:
         out.append(f"{label:<28}" + "".join(f"{v:>9.1f}" for v in values) + f"{sum(values) / len(values):>9.1f}")
     total = [sum(r[k] for k in STAGES) for r in rows]
     out.append(f"{'iteration':<28}" + "".join(f"{v:>9.1f}" for v in total) + f"{sum(total) / len(total):>9.1f}")
-    train = sum(r["train"] for r in rows)
-    overhead = sum(r.get(k, 0.0) for r in rows for k in (*OVERHEAD, "train other", "outside train()"))
     out.append("tokens per iteration, in the samples / computed (tree mode computes shared prefixes once): " +
                ", ".join(f"{r.get('sample tokens', 0):.0f} / {r.get('computed tokens', 0):.0f}" for r in rows))
+    train = sum(r["train"] for r in rows)
     if train:
-        out.append(f"trainer non-training seconds: {overhead:.1f} of {train:.1f} s in train "
-                   f"({100 * overhead / train:.0f}%); training steps {sum(r.get('steps', 0.0) for r in rows):.1f} s")
+        load_save, other = overhead(rows)
+        out.append(f"train stage {train:.1f} s: training steps {sum(r.get('steps', 0.0) for r in rows):.1f} s, "
+                   f"trainer load/save {load_save:.1f} s ({100 * load_save / train:.0f}%), other {other:.1f} s "
+                   f"(the proximal pass, selection checks)")
     return "\n".join(out)
 
 
+def overhead(rows: list[dict[str, float]]) -> tuple[float, float]:
+    """Seconds of the train stages that are not optimizer steps: (the trainer's load and save, the rest)."""
+    return (sum(r.get(k, 0.0) for r in rows for k in OVERHEAD),
+            sum(r.get(k, 0.0) for r in rows for k in ("train other", "outside train()")))
+
+
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child(Path(sys.argv[2]), sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:])
+    if len(sys.argv) > 3 and sys.argv[1] == "--child":
+        rest = sys.argv[4:]
+        child(Path(sys.argv[2]), json.loads(sys.argv[3]), rest[1:] if rest[:1] == ["--"] else rest)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--variant", action="append", default=None,
+                        help="space-separated k=v settings of `openforge rl --set` (repeat: side by side; '' = none)")
     parser.add_argument("demo_args", nargs="*", help="arguments for `openforge demo` (after --)")
     opts = parser.parse_args()
-    passed, walls = 0, []
+    variants = [v.split() for v in opts.variant] if opts.variant else [[]]
+    passed, walls, side = 0, [], {" ".join(v) or "(the demo's settings)": [] for v in variants}
     for i in range(opts.runs):
-        ok, wall, rows, why = one_run(opts.demo_args)
-        passed += ok
-        walls.append(wall)
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 / 1024  # KiB -> GiB, largest so far
-        reward = " -> ".join(f"{r['reward']:.3f}" for r in rows)
-        print(f"run {i + 1}: {'pass' if ok else 'FAIL'} in {wall:.0f} s; reward per iteration {reward}; "
-              f"largest process so far {rss:.1f} GiB" + (f"; {why}" if why else ""), flush=True)
-        if rows:
-            print(table(rows), flush=True)
-    print(f"{passed}/{opts.runs} consecutive runs passed; wall {min(walls):.0f}-{max(walls):.0f} s "
+        for sets, name in zip(variants, side):
+            ok, wall, rows, why = one_run(sets, opts.demo_args)
+            passed += ok
+            walls.append(wall)
+            side[name] += rows
+            rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 / 1024  # KiB -> GiB, largest so far
+            reward = " -> ".join(f"{r['reward']:.3f}" for r in rows)
+            print(f"run {i + 1} [{name}]: {'pass' if ok else 'FAIL'} in {wall:.0f} s; reward per iteration {reward}; "
+                  f"largest process so far {rss:.1f} GiB" + (f"; {why}" if why else ""), flush=True)
+            if rows:
+                print(table(rows), flush=True)
+    if len(side) > 1:
+        print("side by side (means over every iteration of every run):")
+        for name, rows in side.items():
+            per_iteration = sum(r[k] for r in rows for k in STAGES) / max(len(rows), 1)
+            train, (load_save, _) = sum(r["train"] for r in rows), overhead(rows)
+            print(f"  {name:<40} iteration {per_iteration:7.1f} s   trainer load/save {load_save:6.1f} s "
+                  f"of {train:.1f} s in train ({100 * load_save / max(train, 1e-9):.0f}%)")
+    runs = opts.runs * len(variants)
+    print(f"{passed}/{runs} consecutive runs passed; wall {min(walls):.0f}-{max(walls):.0f} s "
           f"(mean {sum(walls) / len(walls):.0f} s)")
-    sys.exit(0 if passed == opts.runs else 1)
+    sys.exit(0 if passed == runs else 1)
 
 
 if __name__ == "__main__":

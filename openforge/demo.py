@@ -79,7 +79,7 @@ def summary(run: RLRun, lines: list[dict[str, Any]], console: Console) -> None:
                        ("flows/", "what the proxy recorded (docs/flow-format.md)"),
                        ("iterations/", "each iteration's episodes: workspace, agent output, reward"),
                        ("train/", "the trainer's metrics.jsonl and the last checkpoint"),
-                       ("gguf/", "the policy the engine serves now"), ("logs/", "engine.log, proxy.log")):
+                       ("policies/", "the policy the engine serves now"), ("logs/", "engine.log, proxy.log")):
         files.add_row(str(out / name), what)
     console.print(files)
     print_next(next_commands(run.out, run.state.served, len(lines)), console)

@@ -34,7 +34,7 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
     assert "Traceback" not in text + done.stderr
     # the summary: reward per iteration, where everything is, what to run next
     assert "openforge rl" in text and "where everything is" in text and "Next:" in text
-    for name in ("rl.jsonl", "rl.png", "rl.duckdb", "flows", "train", "gguf"):
+    for name in ("rl.jsonl", "rl.png", "rl.duckdb", "flows", "train", "policies"):
         assert str(out / name) in text
     assert "--resume --iterations 4" in text and "--engine vllm" in text and "--toolchain codex" in text
 

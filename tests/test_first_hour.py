@@ -120,7 +120,7 @@ def test_demo_next_lines_run_as_printed(tmp_path: Path) -> None:
     from openforge.demo import next_commands
 
     out = tmp_path / "demo-out"
-    lines = next_commands(out, str(out / "gguf/policy-0003.gguf"), 3)
+    lines = next_commands(out, str(out / "policies/policy-0003.gguf"), 3)
     assert len(lines) == 5
     for line in lines:
         args = shlex.split(line.split("   (")[0].split(", then ")[-1])
@@ -144,7 +144,7 @@ def test_demo_next_lines_are_not_broken_on_a_narrow_terminal(tmp_path: Path) -> 
 
     from openforge.demo import next_commands, print_next
 
-    lines = next_commands(tmp_path / "demo-out", str(tmp_path / "demo-out/gguf/policy-0003.gguf"), 3)
+    lines = next_commands(tmp_path / "demo-out", str(tmp_path / "demo-out/policies/policy-0003.gguf"), 3)
     console = Console(file=io.StringIO(), width=80)
     print_next(lines, console)
     assert console.file.getvalue().splitlines()[1:] == [f"  {line}" for line in lines]  # type: ignore[attr-defined]

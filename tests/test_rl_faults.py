@@ -1,6 +1,6 @@
 """Faults `openforge rl` must notice (issue 25), each on the loop's stage machine with the engine, the proxy
 and the episode processes replaced by stand-ins: interrupted episodes rerun on --resume, a dead engine
-restarted (or the run stopped), only valid checkpoints published, rewards that disagree flagged. Also the
+restarted (or the run stopped), only finite weights published, rewards that disagree flagged. Also the
 run's secrets: files in DIR/secrets, never in an environment or a command line."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import duckdb
 import pytest
 import torch
 from rich.console import Console
-from safetensors.torch import save_file
 
 from openforge.engine import EngineError
 from openforge.reconstruct import store
@@ -37,7 +36,7 @@ class FakePolicy:
 
     def __init__(self, log: list[Any], health: list[bool] | None = None, restart_fails: bool = False) -> None:
         self.log, self.health, self.restart_fails = log, health or [], restart_fails
-        self.published: list[Path] = []
+        self.published: list[Any] = []
 
     def alive(self) -> bool:
         return self.health.pop(0) if self.health else True
@@ -47,9 +46,9 @@ class FakePolicy:
         if self.restart_fails:
             raise EngineError("engine for x.gguf exited with code 1 before http://127.0.0.1:1/health answered")
 
-    def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
-        self.published.append(checkpoint)
-        return checkpoint
+    def publish(self, weights: Any, version: int, out: Path) -> Path:
+        self.published.append(weights)
+        return out / f"policy-{version:04d}.gguf"
 
 
 class FakeControl:
@@ -202,78 +201,83 @@ def test_a_rollout_the_engine_died_under_runs_again(tmp_path: Path, monkeypatch:
     assert log[0] == "restart"
 
 
-# --- publish ---------------------------------------------------------------------------------------------
+# --- publish ----------------------------------------------------------------------------------------------
 
-def checkpoint(train: Path, step: int, weight: torch.Tensor | None = None, truncate: bool = False) -> Path:
-    path = train / "checkpoints" / f"step_{step:06d}"
-    path.mkdir(parents=True)
-    (path / "config.json").write_text("{}")
-    save_file({"w": torch.ones(4, 4) if weight is None else weight}, str(path / "model.safetensors"))
-    if truncate:
-        data = (path / "model.safetensors").read_bytes()
-        (path / "model.safetensors").write_bytes(data[: len(data) // 2])
-    return path
+class FakeTrainer:
+    """The resident trainer: at `step`, with `weights` (an exception instead: what `weights()` raises)."""
 
+    def __init__(self, step: int, weights: dict[str, torch.Tensor] | Exception) -> None:
+        self.step, self._weights, self.unsaved = step, weights, False
 
-def publish_run(tmp_path: Path, trained: Path) -> tuple[Run, list[Any]]:
-    log: list[Any] = []
-    run = Run(tmp_path / "run", log, fake=("rollout", "reconstruct", "train"))
-    run.state.checkpoint = str(trained)
-    return run, log
+    def weights(self) -> dict[str, torch.Tensor]:
+        if isinstance(self._weights, Exception):
+            raise self._weights
+        return self._weights
+
+    def close(self) -> None:
+        pass
 
 
-@pytest.mark.parametrize("damage", ["truncated", "nan"])
-def test_publish_falls_back_to_the_newest_valid_checkpoint(tmp_path: Path, damage: str) -> None:
-    train = tmp_path / "run" / "train"
-    good = checkpoint(train, 1)
-    bad = checkpoint(train, 2, torch.full((4, 4), float("nan")) if damage == "nan" else None,
-                     truncate=damage == "truncated")
-    run, _ = publish_run(tmp_path, bad)
+def publish_run(tmp_path: Path, trainer: FakeTrainer, start: int = 0, end: int = 1) -> Run:
+    """The loop at the publish stage of iteration 0, which trained steps start+1..end."""
+    run = Run(tmp_path / "run", [], fake=("rollout", "reconstruct", "train"))
+    run.trainer = trainer  # type: ignore[assignment]
+    run.state.train_start_step, run.state.train_end_step = start, end
+    return run
+
+
+def test_publish_serves_the_trainers_weights_from_memory(tmp_path: Path) -> None:
+    w = {"w": torch.ones(4, 4)}
+    run = publish_run(tmp_path, FakeTrainer(1, w))
     with run.services():
-        run.state.stage = "publish"
         run.publish(0)
-    assert run.fake_policy.published == [good]
-    assert run.state.served == str(good) and run.state.version == 1
-    assert f"not publishing {bad}" in run.text.getvalue()
+    assert run.fake_policy.published == [w] and run.state.version == 1
+    assert run.control.calls == [("pause", 300.0), ("resume", 1)]  # type: ignore[union-attr]
+    assert not (tmp_path / "run/train/checkpoints").exists()  # no checkpoint was due, none was read
 
 
-def test_no_valid_checkpoint_publishes_the_same_weights_again(tmp_path: Path) -> None:
-    run, _ = publish_run(tmp_path, checkpoint(tmp_path / "run" / "train", 3, truncate=True))
+def test_non_finite_weights_never_reach_the_engine(tmp_path: Path) -> None:
+    from openforge.trainer.data import DataError
+
+    run = publish_run(tmp_path, FakeTrainer(1, DataError("not saving step 1: 1 weight tensor(s) hold non-finite "
+                                                         "values (w)")))
+    with run.services(), pytest.raises(RLError) as e:
+        run.publish(0)
+    assert str(e.value).startswith("publishing policy version 1 failed: DataError: not saving step 1")
+    assert run.fake_policy.published == [] and run.control.calls == []  # type: ignore[union-attr]
+
+
+def test_an_iteration_that_trained_nothing_publishes_the_same_weights_again(tmp_path: Path) -> None:
+    run = publish_run(tmp_path, FakeTrainer(3, {}), start=-1, end=-1)
+    run.state.skipped_train = "every group had equal rewards (2 groups)"
     with run.services():
         run.publish(0)
     assert run.fake_policy.published == [] and run.state.served == "" and run.state.version == 1
     assert run.control.calls == [("pause", 300.0), ("resume", 1)]  # type: ignore[union-attr]
 
 
-def test_a_resume_at_publish_with_a_truncated_checkpoint_finishes(tmp_path: Path) -> None:
-    """state.json says: publish this iteration's checkpoint, whose model.safetensors a crash truncated."""
-    train = tmp_path / "run" / "train"
-    good, bad = checkpoint(train, 1), checkpoint(train, 2, truncate=True)
-    log: list[Any] = []
-    with pytest.raises(KeyboardInterrupt):
-        run = Run(tmp_path / "run", log, fake=("rollout", "reconstruct", "train"))
-        run.publish = lambda i: (_ for _ in ()).throw(KeyboardInterrupt)  # type: ignore[method-assign]
-        run.state.checkpoint = str(bad)
-        run.run()
-    state = json.loads((tmp_path / "run/state.json").read_text())
-    (tmp_path / "run/state.json").write_text(json.dumps(state | {"checkpoint": str(bad)}))
-    again = Run(tmp_path / "run", log, fake=("rollout", "reconstruct", "train"), resume=True)
-    again.run()
-    assert again.fake_policy.published == [good] and again.state.iteration == 1
-    assert not bad.exists() and good.exists()  # the damaged one is pruned, the served one kept
+def test_steps_a_kill_lost_are_trained_again_before_publishing(tmp_path: Path) -> None:
+    """state.json says: publish what steps 3-4 trained; the process that trained them was killed before it
+    saved, so the trainer loaded on resume is at step 2."""
+    trainer = FakeTrainer(2, {"w": torch.zeros(1)})
+    run = publish_run(tmp_path, trainer, start=2, end=4)
+    run.train = lambda i: setattr(trainer, "step", 4)  # type: ignore[method-assign]
+    with run.services():
+        run.publish(0)
+    assert trainer.step == 4 and len(run.fake_policy.published) == 1
+    assert "were in memory only when the run was killed: training them again" in run.text.getvalue()
 
 
 def test_every_publish_failure_is_one_rl_error(tmp_path: Path) -> None:
-    run, _ = publish_run(tmp_path, checkpoint(tmp_path / "run" / "train", 1))
+    run = publish_run(tmp_path, FakeTrainer(1, {"w": torch.ones(1)}))
 
-    def broken(checkpoint: Path, version: int, out: Path) -> Path:
+    def broken(weights: Any, version: int, out: Path) -> Path:
         raise OSError(28, "No space left on device")
 
     run.fake_policy.publish = broken  # type: ignore[method-assign]
     with run.services(), pytest.raises(RLError) as e:
         run.publish(0)
     assert str(e.value) == "publishing policy version 1 failed: OSError: [Errno 28] No space left on device"
-    assert "\n" not in str(e.value)
 
 
 # --- rewards that disagree -------------------------------------------------------------------------------

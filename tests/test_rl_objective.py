@@ -9,6 +9,8 @@ from pathlib import Path
 
 import duckdb
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from openforge.rl.config import load_rl_config
 from openforge.rl.loop import ensure_tables
@@ -16,7 +18,7 @@ from openforge.trainer.config import ConfigError, load_config
 from openforge.trainer.data import DataError, SampleSource
 from openforge.trainer.train import lr_factor, train
 from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
-from tests.test_rl_faults import Run, checkpoint
+from tests.test_rl_faults import Run
 
 
 def samples_db(path: Path, groups: dict[str, list[float | None]], advantage: float | None = None) -> Path:
@@ -86,13 +88,16 @@ def test_an_iteration_with_equal_rewards_everywhere_steps_nothing_and_publishes_
                     [(f"{t}-e{k}", t, k, r) for t, rs in {"t1": [1.0, 1.0], "t2": [0.0, 0.0]}.items()
                      for k, r in enumerate(rs)])
     con.close()
-    before = checkpoint(tmp_path / "run" / "train", 2)
+    before = tmp_path / "run" / "train" / "checkpoints" / "step_000002"
+    before.mkdir(parents=True)
+    (before / "config.json").write_text("{}")
+    save_file({"w": torch.ones(4, 4)}, str(before / "model.safetensors"))
     weights = (before / "model.safetensors").read_bytes()
 
     def no_training(*args, **kwargs):
-        raise AssertionError("the trainer ran")
+        raise AssertionError("the trainer loaded")
 
-    monkeypatch.setattr("openforge.trainer.train.train", no_training)
+    monkeypatch.setattr("openforge.trainer.train.Trainer", no_training)
     run.run()
     (line,) = [json.loads(x) for x in (tmp_path / "run" / "rl.jsonl").read_text().splitlines()]
     assert line["skipped_train"] == "every group had equal rewards (2 groups)"

@@ -4,13 +4,13 @@ engine's start and stop are stubbed, the GGUFs it would load are read with the `
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
 from openforge.engine import EmbeddedEngine
 from openforge.gguf_export import served_gguf
@@ -41,10 +41,8 @@ def test_policy_0_and_policy_1_are_served_at_the_same_precision(tmp_path: Path, 
     first = policy.engine.gguf
     assert first != start and served_gguf(start) == first  # cached: made once
 
-    checkpoint = tmp_path / "step_000001"  # as the trainer writes one: here the starting weights, unchanged
-    checkpoint.mkdir()
-    shutil.copy(hf_dir(start) / "model.safetensors", checkpoint)
-    second = policy.publish(checkpoint, 1, tmp_path / "gguf")
+    weights = load_file(str(hf_dir(start) / "model.safetensors"))  # the trainer's, here the starting ones unchanged
+    second = policy.publish(weights, 1, tmp_path / "policies")
     assert policy.engine.gguf == second
 
     assert types(first) == types(second)

@@ -40,8 +40,12 @@ def test_rl_loop_on_vllm_reloads_weights_in_place(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     lines = [json.loads(x) for x in (out / "rl.jsonl").read_text().splitlines()]
     assert [x["policy_version"] for x in lines] == [0, 1] and all(x["episodes"] == 4 for x in lines)
-    assert lines[-1]["served"] == lines[-1]["checkpoint"] == str(out / "train/checkpoints/step_000002")
-    assert not (out / "gguf").exists() or not any((out / "gguf").iterdir())  # vLLM: no export, a reload
+    # published from the resident trainer's memory as a weights-only directory, reloaded in place; the
+    # last iteration also writes a full checkpoint
+    assert lines[-1]["served"] == str(out / "policies/policy-0002")
+    assert sorted(p.name for p in (out / "policies").iterdir()) == ["policy-0002"]
+    assert not (out / "policies/policy-0002/trainer_state.pt").exists()
+    assert lines[-1]["checkpoint"] == str(out / "train/checkpoints/step_000002")
 
     con = duckdb.connect(str(out / "rl.duckdb"), read_only=True)
     calls = con.execute("SELECT r.iteration, c.policy_version, c.token_source, c.prompt_check, count(*) FROM calls c "

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import pickle
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +95,7 @@ def check_weights(path: Path) -> None:
 def save(out: str, step: int, position: Position, model: torch.nn.Module, tokenizer_dir: str, optimizer, scheduler,
          cfg: TrainConfig, rank: int) -> Path:
     """Gather full weights and optimizer state onto rank 0 and write them; every rank must call this."""
-    model_state = drop_tied(model, get_model_state_dict(model, options=FULL))
-    refuse_non_finite(model_state, step, next(model.parameters()).device)
+    model_state = full_weights(model, step)
     optim_state = get_optimizer_state_dict(model, optimizer, options=FULL)
     final = checkpoint_dir(out, step)
     if rank == 0:
@@ -118,6 +117,31 @@ def save(out: str, step: int, position: Position, model: torch.nn.Module, tokeni
     if dist.is_initialized():
         dist.barrier()
     return final
+
+
+def full_weights(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
+    """The model's full weights on CPU, gathered on rank 0 (tied ones once, as save_pretrained writes them);
+    DataError when one is not finite. Every rank must call this."""
+    state = drop_tied(model, get_model_state_dict(model, options=FULL))
+    refuse_non_finite(state, step, next(model.parameters()).device)
+    return state
+
+
+def write_weights(state: Mapping[str, torch.Tensor], model_dir: Path, out: Path) -> Path:
+    """`out` as a model directory an engine loads: `state` as model.safetensors beside `model_dir`'s
+    config.json and tokenizer files (the configuration training does not change); written atomically."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    configs = [model_dir / name for name in ("config.json", "generation_config.json") if (model_dir / name).is_file()]
+    for file in [*configs, *tokenizer_files(model_dir)]:
+        shutil.copy(file, tmp / file.name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
 
 
 def refuse_non_finite(state: dict[str, torch.Tensor], step: int, device: torch.device) -> None:

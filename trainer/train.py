@@ -14,6 +14,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,137 +109,247 @@ def silence_loading_bars() -> None:
     disable_progress_bars()
 
 
-def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print,
-          new_selection: bool = False, on_step: Callable[[dict[str, float]], None] | None = None) -> Path:
-    """Train on the selected samples; returns the final checkpoint directory. `on_step` gets each step's
-    metrics.jsonl record (rank 0): the RL loop's experiment trackers.
+@dataclass
+class Selection:
+    """The samples one `Trainer.fit` reads, checked before any step: `SampleSource` over `where`, its sample
+    count, and whether any sample carries an image."""
 
-    `new_selection` (with `resume`): the selection is not the one the restored checkpoint trained on (the RL
-    loop's next iteration), so it starts at its beginning and `steps` (or one pass) count from the restored
-    step; the optimizer state carries over."""
-    return_freed_memory()
-    silence_loading_bars()
-    # --- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain run is rank 0 of 1
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    master = rank == 0
+    source: SampleSource
+    samples: int
+    images: bool
 
-    # --- data, model, optimizer (and, with --resume, where the last run stopped)
-    ppo = cfg.objective == "ppo"
-    source = SampleSource(cfg.db, cfg.where, cfg.shuffle, cfg.seed, cfg.tree,
-                          drop_zero_advantage=ppo and not cfg.keep_zero_advantage,
-                          group_filter=cfg.group_filter if ppo else "none")
-    found = checkpoint.latest(cfg.out, say if master else lambda _: None) if resume else None
-    if resume and found is None and master:
-        say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
-    ckpt, state = found or (None, None)
-    model_dir = str(ckpt or cfg.model)
-    recompute = ppo and cfg.old_policy == "recompute"  # the trainer computes pi_old itself: `proximal_pass`
-    n_samples = source.check(cfg.row_tokens, check_vocab(model_dir, source.vocab_sizes()),
+    @classmethod
+    def open(cls, cfg: TrainConfig, where: str, model_dir: str) -> Selection:
+        """Refuse, naming samples, a selection the run could not train on to its end (`SampleSource.check`)."""
+        ppo = cfg.objective == "ppo"
+        source = SampleSource(cfg.db, where, cfg.shuffle, cfg.seed, cfg.tree,
+                              drop_zero_advantage=ppo and not cfg.keep_zero_advantage,
+                              group_filter=cfg.group_filter if ppo else "none")
+        try:
+            recompute = ppo and cfg.old_policy == "recompute"
+            n = source.check(cfg.row_tokens, check_vocab(model_dir, source.vocab_sizes()),
                              needs_logprobs=ppo and not recompute, needs_advantage=ppo,
                              needs_weight=cfg.aggregation == "episode-mean")
-    vl = vl_config(model_dir)
-    images = source.check_images(vl.image_token_id if vl else None, cfg.tree is True)
-    if images:
-        check_pixels(source, vl.vision_config)
-    model = load_model(model_dir, device, cfg.grad_checkpointing, cfg.tree)
-    rope = mrope(model)
-    idle = idle_sample(model.config) if images and world_size > 1 else None  # every pass runs the vision tower
-    ref = None
-    if cfg.kl_coef > 0:
-        ref = load_model(cfg.ref_model or cfg.model, device, tree=cfg.tree).eval().requires_grad_(False)
-    if world_size > 1:
-        shard_model(model, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    total_steps = cfg.steps or sum(count_steps(source.lengths(e), cfg.step_tokens) for e in range(cfg.epochs))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
-    step, position = checkpoint.restore(state, model, optimizer, scheduler) if state else (0, Position())
-    if new_selection:
-        position, total_steps = Position(), step + total_steps
-    metrics_path = Path(cfg.out) / "metrics.jsonl"
-    if master:
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        keep_metrics_until(metrics_path, step)
-        say(f"{n_samples} samples: {steps_phrase(step, total_steps)}, each of <= {cfg.step_tokens} tokens; "
-            f"{world_size} rank(s) on {device.type}, objective {cfg.objective}")
+            vl = vl_config(model_dir)
+            images = source.check_images(vl.image_token_id if vl else None, cfg.tree is True)
+            if images:
+                check_pixels(source, vl.vision_config)
+        except BaseException:
+            source.close()
+            raise
+        return cls(source, n, images)
 
-    from_start, trained = position == Position(), set()  # which samples a fixed step count reached
-    trees = TreeChoice(cfg.tree, cfg.row_tokens, say if master else lambda _: None)
-    epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
-    proximal = None
-    if recompute and step < total_steps:  # one pass over what the run's steps will read, before any update
-        t0 = time.perf_counter()
-        proximal = ProximalLogprobs.load(None if new_selection else ckpt, rank)
-        saved = len(proximal)
-        planned = source.batches(cfg.step_tokens, position, epochs)
-        proximal_pass(model, source, itertools.islice(planned, total_steps - step), cfg, rank, world_size, device,
-                      rope, idle, proximal)
-        planned.close()
-        if master:
-            kept = f", {saved} kept from {ckpt.name}" if saved else ""
-            say(f"proximal policy: logprobs of {len(proximal) - saved} samples before the first update{kept} "
-                f"(rank 0: {proximal.tokens} trainable tokens, {time.perf_counter() - t0:.1f} s)")
-    progress = ProgressBar(cfg.progress and master, total_steps, step)
-    batches = source.batches(cfg.step_tokens, position, epochs)
-    with progress, source:
-        for batch, next_position in batches:
-            if step >= total_steps:
-                break
-            # --- one optimizer step on one global batch
+    def steps(self, cfg: TrainConfig) -> int:
+        """The steps one pass of `fit` runs: `cfg.steps`, or `cfg.epochs` passes of `step_tokens` batches."""
+        return cfg.steps or sum(count_steps(self.source.lengths(e), cfg.step_tokens) for e in range(cfg.epochs))
+
+
+class Trainer:
+    """The model, its optimizer and LR schedule, the step count and the data position, kept between `fit`
+    calls: the RL loop keeps one for its whole run, so an iteration neither loads nor saves (`save` writes a
+    full checkpoint when the loop asks). `openforge train` is one `fit` and one `save` (`train`).
+
+    `resume`: start from the newest checkpoint under `cfg.out` (weights, optimizer, schedule, step, position,
+    RNG), or from `cfg.model` when there is none. `where`: open and check that selection (`selection`) before
+    the model loads, so a refusal costs no load."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print,
+                 where: str | None = None) -> None:
+        return_freed_memory()
+        silence_loading_bars()
+        # --- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain run is rank 0 of 1
+        self.cfg = cfg
+        self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.master = self.rank == 0
+        self.say = say if self.master else lambda _: None
+        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+
+        found = checkpoint.latest(cfg.out, self.say) if resume else None
+        if resume and found is None:
+            self.say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
+        self.resumed_from, state = found or (None, None)  # a mid-run checkpoint keeps its proximal logprobs
+        self.model_dir = str(self.resumed_from or cfg.model)
+        self.selection = self.select(where) if where is not None else None
+        self.model = load_model(self.model_dir, self.device, cfg.grad_checkpointing, cfg.tree)
+        self.rope = mrope(self.model)
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = load_model(cfg.ref_model or cfg.model, self.device, tree=cfg.tree).eval().requires_grad_(False)
+        if self.world_size > 1:
+            shard_model(self.model, self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.end = 1  # the step the current pass ends at: the cosine schedule's last step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg, self.end))
+        self.step, self.position = checkpoint.restore(state, self.model, self.optimizer, self.scheduler) \
+            if state else (0, Position())
+        self.saved_step = self.step if state else -1  # the step of the newest checkpoint written or read
+        self.proximal: ProximalLogprobs | None = None  # the current pass's, kept until it ends
+        self.trees = TreeChoice(cfg.tree, cfg.row_tokens, self.say)
+        self.metrics_path = Path(cfg.out) / "metrics.jsonl"
+        if self.master:
+            Path(cfg.out).mkdir(parents=True, exist_ok=True)
+            keep_metrics_until(self.metrics_path, self.step)
+
+    def select(self, where: str) -> Selection:
+        return Selection.open(self.cfg, where, self.model_dir)
+
+    def fit(self, selection: Selection, end: int, restart: bool = True,
+            on_step: Callable[[dict[str, float]], None] | None = None) -> None:
+        """Optimizer steps on `selection` until step `end` (numbered across every pass, as metrics.jsonl and
+        the checkpoints number them). `restart`: read the selection from its beginning, a new pass; otherwise
+        go on from the restored position (a pass a checkpoint interrupted). `on_step` gets each step's
+        metrics.jsonl record (rank 0): the RL loop's experiment trackers."""
+        cfg, source, step = self.cfg, selection.source, self.step
+        ppo = cfg.objective == "ppo"
+        if restart:
+            self.position, self.proximal = Position(), None
+        self.end = end
+        if self.master:
+            self.say(f"{selection.samples} samples: {steps_phrase(step, end)}, each of <= {cfg.step_tokens} tokens; "
+                     f"{self.world_size} rank(s) on {self.device.type}, objective {cfg.objective}")
+        rank, world_size, device, rope = self.rank, self.world_size, self.device, self.rope
+        idle = idle_sample(self.model.config) if selection.images and world_size > 1 else None  # vision everywhere
+        from_start, trained = self.position == Position(), set()  # which samples a fixed step count reached
+        epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
+        if ppo and cfg.old_policy == "recompute" and step < end and self.proximal is None:
+            # the proximal policy: one pass over what this pass's steps will read, before any update
             t0 = time.perf_counter()
-            coef = coefficients(batch, cfg.aggregation) | ({idle.sample_id: 0.0} if idle else {})
-            share = rank_share(batch, rank, world_size, by_episode=cfg.tree)
-            attach_pixels(source, share)
-            mine = rows_of(share, coef, cfg, rope, idle, trees)
-            n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
-            rows = [(mine[i] if i < len(mine) else make_row([idle] if idle else [], coef, cfg.packing, rope)
-                     ).to(device) for i in range(n_rows)]
-            old: list[torch.Tensor | None] = [None] * n_rows
-            if proximal is not None:  # the proximal logprobs of the rows' targets; filler rows have none
-                found = [proximal.gather(share, src).to(device)
-                         for src in row_sources(share, coef, cfg, idle)]
-                old = [*found, *[torch.empty(0, device=device)] * (n_rows - len(found))]
-            sums, is_max = Counter(), 0.0
-            for row, old_logp in zip(rows, old):
-                loss, stats = forward_loss(model, row, cfg, ref, old_logp)
-                (loss * world_size).backward()  # FSDP averages over ranks; coef already divides by the batch
-                is_max = max(is_max, stats.pop("is_ratio_max"))
-                sums.update(stats | {"tokens": row.n_real, "computed": row.input_ids.numel()})
-            grad_norm = full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-            check_finite(step + 1, sums["loss"], grad_norm, device)  # before the update: weights stay finite
-            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step, position = step + 1, next_position
-            trained.update(x.sample_id for x in batch)
+            proximal = ProximalLogprobs.load(None if restart else self.resumed_from, rank)
+            saved = len(proximal)
+            planned = source.batches(cfg.step_tokens, self.position, epochs)
+            proximal_pass(self.model, source, itertools.islice(planned, end - step), cfg, rank, world_size, device,
+                          rope, idle, proximal)
+            planned.close()
+            self.proximal = proximal
+            kept = f", {saved} kept from {self.resumed_from.name}" if saved and self.resumed_from else ""
+            self.say(f"proximal policy: logprobs of {len(proximal) - saved} samples before the first update{kept} "
+                     f"(rank 0: {proximal.tokens} trainable tokens, {time.perf_counter() - t0:.1f} s)")
+        progress = ProgressBar(cfg.progress and self.master, end, step)
+        with progress, source:
+            for batch, next_position in source.batches(cfg.step_tokens, self.position, epochs):
+                if self.step >= end:
+                    break
+                record = self.train_step(source, batch, next_position, idle)
+                trained.update(x.sample_id for x in batch)
+                if self.master:
+                    with self.metrics_path.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    progress.advance(record)
+                    if on_step is not None:
+                        on_step(record)
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < end:
+                    self.save()
+        if from_start and cfg.steps and len(trained) < selection.samples:
+            self.say(f"{selection.samples - len(trained)} of {selection.samples} samples were not trained: "
+                     f"{cfg.steps} steps of <= {cfg.step_tokens} tokens end before one pass does "
+                     "(steps = 0 trains one pass)")
+        if self.step >= end:
+            self.proximal = None
 
-            # --- log, checkpoint
-            record = step_metrics(step, position, batch, sums, is_max, grad_norm, lr, time.perf_counter() - t0,
-                                  device)
-            if master:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
-                progress.advance(record)
-                if on_step is not None:
-                    on_step(record)
-            if cfg.save_every and step % cfg.save_every == 0 and step < total_steps:
-                saved_at = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
-                if proximal is not None:
-                    proximal.save(saved_at, rank)
-    final = checkpoint.save(cfg.out, step, position, model, model_dir, optimizer, scheduler, cfg, rank)
-    if master:
-        if from_start and cfg.steps and len(trained) < n_samples:
-            say(f"{n_samples - len(trained)} of {n_samples} samples were not trained: {cfg.steps} steps of <= "
-                f"{cfg.step_tokens} tokens end before one pass does (steps = 0 trains one pass)")
-        say(f"saved {final}")
-    if world_size > 1:
-        dist.destroy_process_group()
+    def train_step(self, source: SampleSource, batch: list[Sample], next_position: Position,
+                   idle: Sample | None) -> dict[str, float]:
+        """One optimizer step on one global batch; its metrics.jsonl record."""
+        cfg, device, world_size = self.cfg, self.device, self.world_size
+        t0 = time.perf_counter()
+        coef = coefficients(batch, cfg.aggregation) | ({idle.sample_id: 0.0} if idle else {})
+        share = rank_share(batch, self.rank, world_size, by_episode=cfg.tree)
+        attach_pixels(source, share)
+        mine = rows_of(share, coef, cfg, self.rope, idle, self.trees)
+        n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
+        rows = [(mine[i] if i < len(mine) else make_row([idle] if idle else [], coef, cfg.packing, self.rope)
+                 ).to(device) for i in range(n_rows)]
+        old: list[torch.Tensor | None] = [None] * n_rows
+        if self.proximal is not None:  # the proximal logprobs of the rows' targets; filler rows have none
+            found = [self.proximal.gather(share, src).to(device) for src in row_sources(share, coef, cfg, idle)]
+            old = [*found, *[torch.empty(0, device=device)] * (n_rows - len(found))]
+        sums, is_max = Counter(), 0.0
+        for row, old_logp in zip(rows, old):
+            loss, stats = forward_loss(self.model, row, cfg, self.ref, old_logp)
+            (loss * world_size).backward()  # FSDP averages over ranks; coef already divides by the batch
+            is_max = max(is_max, stats.pop("is_ratio_max"))
+            sums.update(stats | {"tokens": row.n_real, "computed": row.input_ids.numel()})
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        check_finite(self.step + 1, sums["loss"], grad_norm, device)  # before the update: weights stay finite
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        with deferred_interrupt():  # weights, optimizer, step and position change together or not at all
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step, self.position = self.step + 1, next_position
+        return step_metrics(self.step, self.position, batch, sums, is_max, grad_norm, lr,
+                            time.perf_counter() - t0, device)
+
+    @property
+    def unsaved(self) -> bool:
+        """Steps taken since the newest checkpoint: only memory holds them."""
+        return self.step > self.saved_step
+
+    def save(self) -> Path:
+        """A full checkpoint of where the trainer is (with the current pass's proximal logprobs when it is
+        not over, so `--resume` clips against the same policy); every rank must call this."""
+        cfg = self.cfg
+        path = checkpoint.save(cfg.out, self.step, self.position, self.model, self.model_dir, self.optimizer,
+                               self.scheduler, cfg, self.rank)
+        if self.proximal is not None:
+            self.proximal.save(path, self.rank)
+        self.saved_step = self.step
+        return path
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The full weights on CPU (gathered on rank 0; tied ones once), as a checkpoint's model.safetensors
+        holds them; DataError when one is not finite. Every rank must call this."""
+        return checkpoint.full_weights(self.model, self.step)
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Ctrl-C (SIGINT) arriving inside takes effect at its end, so an interrupted trainer is always between
+    two steps: what `Trainer.save` writes then is a state the run really was in. Main thread only."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[Any] = []
+    before = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if caught and callable(before):
+            before(*caught[0])
+
+
+def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print,
+          new_selection: bool = False, on_step: Callable[[dict[str, float]], None] | None = None) -> Path:
+    """`openforge train`: train on the selected samples; returns the final checkpoint directory. `on_step`
+    gets each step's metrics.jsonl record (rank 0).
+
+    `new_selection` (with `resume`): the selection is not the one the restored checkpoint trained on, so it
+    starts at its beginning and `steps` (or one pass) count from the restored step; the optimizer state
+    carries over."""
+    trainer = Trainer(cfg, resume, say, where=cfg.where)
+    try:
+        selection = trainer.selection
+        assert selection is not None
+        steps = selection.steps(cfg)
+        restart = new_selection or trainer.resumed_from is None
+        trainer.fit(selection, trainer.step + steps if new_selection else steps, restart=restart, on_step=on_step)
+        final = trainer.save()
+        trainer.say(f"saved {final}")
+    finally:
+        trainer.close()
     return final
 
 

@@ -8,7 +8,8 @@ One output directory holds the run (docs/rl.md):
     DIR/flows/             the proxy's flow files, DIR/rl.duckdb the samples of every iteration
     DIR/iterations/NNN/    that iteration's rollout (episodes/, results.jsonl, summary.json)
     DIR/train/             the trainer's metrics.jsonl (steps numbered across iterations) and checkpoints/
-    DIR/gguf/              llama.cpp: the published weights;  DIR/logs/: engine.log, proxy.log
+    DIR/policies/          the weights the engine serves (llama.cpp: a GGUF; vLLM: a model directory)
+    DIR/logs/              engine.log, proxy.log
     DIR/secrets/           (0700) the tokens and keys of the proxy and engine, 0600 files
 
 Each stage ends by saving state.json, so `--resume` continues at the stage a killed run was in: finished
@@ -19,9 +20,13 @@ iterations only (table `rl_episodes`), at the policy versions that produced them
 
 Faults the loop notices: an episode an interruption cut short (no result, `crashed: interrupted`, or a reward
 that never reached the proxy) runs again on `--resume`; a dead engine is restarted once per iteration, and
-a rollout it died under runs again; a checkpoint that does not load or holds non-finite weights is never
-published (the newest valid one is); an episode whose DuckDB reward differs from its result.json is
-flagged and left out of training.
+a rollout it died under runs again; non-finite weights are never published; an episode whose DuckDB reward
+differs from its result.json is flagged and left out of training.
+
+The trainer is resident: one `Trainer` keeps the model and its optimizer in memory for the whole run, and
+publishing reads the weights from there. A full checkpoint is written every `loop.checkpoint_every`
+iterations, at the end, and whenever the run stops (Ctrl-C, an error): only a kill the process cannot
+catch loses steps, and `--resume` then trains the iterations after the newest checkpoint again.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 from rich.console import Console
@@ -50,13 +55,11 @@ from openforge.rl.config import RLConfig, load_rl_config
 from openforge.rl.evaluation import score, split_tasks
 from openforge.rl.lock import RunLock, RunLocked
 from openforge.rl.services import (
-    CheckpointInvalid,
     ControlAPI,
     LlamaCppPolicy,
     Policy,
     ProxyProcess,
     VllmPolicy,
-    check_checkpoint,
     proxy_routes,
 )
 from openforge.rl.services import publish as publish_weights
@@ -65,6 +68,9 @@ from openforge.rollout.run_failure import every_episode_failed
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
 from openforge.taskforge.calibrate import out_of_band, parse_band, pass_rates
 from openforge.tracking import TrackerError, Trackers
+
+if TYPE_CHECKING:
+    from openforge.trainer.train import Trainer
 
 STAGES = ("eval", "rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
 STATE_VERSION = 1
@@ -98,7 +104,8 @@ class State:
     resumes: int = 0
     restarts: int = 0  # engine restarts after it died (each one also names reruns, as a resume does)
     train_start_step: int = -1  # the trainer's step when this iteration's training began (-1: not yet)
-    checkpoint: str = ""  # what this iteration trained ("" = nothing: no samples, or not yet)
+    train_end_step: int = -1  # the step it trains until (-1: not yet known)
+    checkpoint: str = ""  # the checkpoint this iteration wrote ("" = none: not due, or nothing trained)
     skipped_train: str = ""  # why this iteration had nothing to learn (no optimizer step, nothing published)
     dropped: dict[str, str] = field(default_factory=dict)  # task id -> why re-calibration dropped it
     seconds: dict[str, float] = field(default_factory=dict)
@@ -164,7 +171,7 @@ class RLRun:
                 raise RLError(f"{self.out} holds a run already: continue it with --resume, or give another --out")
             self.state = State(run_id=time.strftime("rl%Y%m%dT%H%M%S") + "-" + secrets.token_hex(2))
         self.flow_dir, self.db = self.out / "flows", self.out / "rl.duckdb"
-        self.train_out, self.gguf_dir, self.logs = self.out / "train", self.out / "gguf", self.out / "logs"
+        self.train_out, self.policies, self.logs = self.out / "train", self.out / "policies", self.out / "logs"
         self.secrets = self.out / "secrets"
         self.client_token, self.reward_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
         self._restarted_in = -1  # the iteration in which the engine was last restarted
@@ -175,6 +182,7 @@ class RLRun:
         self.policy: Policy | None = None
         self.proxy: ProxyProcess | None = None
         self.control: ControlAPI | None = None
+        self.trainer: Trainer | None = None  # loaded by the first stage that needs it, kept for the run
         self._resolve_models()
 
     # -- set-up ----------------------------------------------------------------------------------------------
@@ -296,7 +304,7 @@ class RLRun:
         from openforge.trainer.train import silence_loading_bars
 
         try:
-            for d in (self.out, self.logs, self.flow_dir, self.gguf_dir):
+            for d in (self.out, self.logs, self.flow_dir, self.policies):
                 d.mkdir(parents=True, exist_ok=True)
             self.take_lock()  # a directory that did not exist yet at set-up
             (self.out / "rl.toml").write_text(self.cfg.to_toml())
@@ -309,6 +317,7 @@ class RLRun:
                 if self.cfg.eval.enabled:
                     self.evaluate(self.state.version)  # the policy the run ends with, whatever eval.every says
         finally:
+            self.close_trainer()
             if self.trackers is not None:
                 self.trackers.close()
             self.lock.release()
@@ -335,7 +344,7 @@ class RLRun:
     def iteration(self) -> None:
         i, s = self.state.iteration, self.state
         if s.stage == STAGES[0]:
-            s.seconds, s.train_start_step, s.checkpoint, s.skipped_train = {}, -1, "", ""
+            s.seconds, s.train_start_step, s.train_end_step, s.checkpoint, s.skipped_train = {}, -1, -1, "", ""
         self.console.rule(f"iteration {i + 1}/{self.cfg.loop.iterations} (policy version {s.version})")
         for stage in STAGES[STAGES.index(s.stage):-1]:
             started = time.monotonic()
@@ -553,26 +562,43 @@ class RLRun:
                 f"(SELECT episode_id FROM rl_episodes WHERE iteration BETWEEN {lo} AND {i}) AND episode_id NOT IN "
                 f"(SELECT episode_id FROM rl_reward_mismatches)")
 
+    def resident_trainer(self) -> Trainer:
+        """The run's trainer, loaded on first use from the newest checkpoint (or the starting weights)."""
+        if self.trainer is None:
+            from openforge.trainer.train import Trainer
+
+            cfg = self.cfg.train_config(str(self.db), str(self.base_model), str(self.train_out), "")
+            with self.console.status("loading the trainer"):
+                self.trainer = Trainer(cfg, resume=True, say=lambda m: self.console.print(f"  {m}"))
+        return self.trainer
+
+    def close_trainer(self) -> None:
+        """At the end of the run, however it ends: steps only memory holds are written as a checkpoint, so
+        `--resume` goes on from them (the trainer is always between two steps: `deferred_interrupt`)."""
+        trainer, self.trainer = self.trainer, None
+        if trainer is None:
+            return
+        try:
+            if trainer.unsaved:
+                with self.console.status(f"saving the trainer at step {trainer.step}"):
+                    path = trainer.save()
+                self.console.print(f"  saved the trainer's state to {path}: --resume goes on from it")
+        except Exception as e:  # noqa: BLE001 - the run is ending; what it ended on is the error to show
+            self.console.print(f"  [yellow]warning:[/] the trainer's state at step {trainer.step} was not saved "
+                               f"({type(e).__name__}: {e}); --resume trains from the newest checkpoint")
+        finally:
+            trainer.close()
+
     def train(self, i: int) -> None:
-        """Policy-gradient steps on the selection, continuing the weights and optimizer state of the last
-        iteration. An iteration with nothing to learn (`nothing_to_learn`) runs no step and saves nothing: the
-        engine keeps serving the same weights, and rl.jsonl's `skipped_train` says why."""
+        """Policy-gradient steps on the selection, in the resident trainer (its weights and optimizer state go
+        on from the last iteration's). An iteration with nothing to learn (`nothing_to_learn`) runs no step:
+        the engine keeps serving the same weights, and rl.jsonl's `skipped_train` says why."""
         import torch
 
-        from openforge.trainer import checkpoint
         from openforge.trainer.config import ConfigError
         from openforge.trainer.data import DataError
-        from openforge.trainer.train import train
 
         s = self.state
-        latest = checkpoint.latest(self.train_out, self.console.print)
-        latest_step = int(latest[1]["step"]) if latest else 0
-        if latest and 0 <= s.train_start_step < latest_step:
-            s.checkpoint = str(latest[0])  # this iteration's training finished before an interruption
-            return
-        if s.train_start_step < 0:
-            s.train_start_step = latest_step
-            s.save(self.state_path)
         con = duckdb.connect(str(self.db))
         try:
             ensure_tables(con)  # a run an older OpenForge started has no rl_reward_mismatches
@@ -585,44 +611,55 @@ class RLRun:
                                f"keeps serving the same weights")
             return
         try:
-            cfg = self.cfg.train_config(str(self.db), str(self.base_model), str(self.train_out), where)
+            trainer = self.resident_trainer()
+            if 0 <= trainer.step < s.train_start_step:
+                self.console.print(f"  [yellow]warning:[/] the newest checkpoint is at step {trainer.step}, before "
+                                   f"this iteration's start (step {s.train_start_step}): the steps between were in "
+                                   "memory only when the run was killed; this iteration trains from the checkpoint")
+            if s.train_start_step < 0 or trainer.step < s.train_start_step:
+                s.train_start_step, s.train_end_step = trainer.step, -1
+            cfg = trainer.cfg
             cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
             bf16 = not cuda and cpu_has_bf16()  # CUDA: the trainer autocasts itself
             with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                final = train(cfg, resume=True, new_selection=True, say=lambda m: self.console.print(f"  {m}"),
-                              on_step=lambda record: self.track("train", record, int(record["step"])))
+                selection = trainer.select(where)
+                if s.train_end_step < 0:
+                    s.train_end_step = trainer.step + selection.steps(cfg)
+                    s.save(self.state_path)
+                if trainer.step < s.train_end_step:  # past the start: go on with the pass a checkpoint interrupted
+                    trainer.fit(selection, s.train_end_step, restart=trainer.step == s.train_start_step,
+                                on_step=lambda record: self.track("train", record, int(record["step"])))
+                else:
+                    selection.source.close()
         except (ConfigError, DataError) as e:
             raise RLError(f"training refused: {e}") from None
-        s.checkpoint = str(final)
+        every = self.cfg.loop.checkpoint_every
+        if trainer.unsaved and ((i + 1) % every == 0 or i + 1 >= self.cfg.loop.iterations):
+            with self.console.status(f"checkpoint at step {trainer.step}"):
+                s.checkpoint = str(trainer.save())
 
-    def publishable(self) -> Path | None:
-        """The checkpoint to serve: this iteration's if it loads with finite weights, else the newest one that
-        does (each rejected one named in a warning); None when there is none."""
+    def trained(self) -> bool:
+        """This iteration runs optimizer steps."""
         s = self.state
-        candidates = [Path(s.checkpoint)] if s.checkpoint else []
-        candidates += sorted((p for p in (self.train_out / "checkpoints").glob("step_*")
-                              if p.suffix != ".tmp" and p not in candidates), reverse=True)
-        for path in candidates:
-            try:
-                check_checkpoint(path)
-                return path
-            except CheckpointInvalid as e:
-                self.console.print(f"  [yellow]warning:[/] not publishing {path}: {e}")
-        return None
+        return not s.skipped_train and s.train_end_step > s.train_start_step >= 0
 
     def publish(self, i: int) -> None:
-        """Pause the proxy, give the engine the new weights, resume with policy version i + 1. Only a valid
-        checkpoint is published; any failure is an RLError (one line), the proxy left paused."""
+        """Pause the proxy, give the engine the trainer's new weights, resume with policy version i + 1; an
+        iteration that trained nothing resumes on the same weights. Non-finite weights are never published;
+        any failure is an RLError (one line), the proxy left paused."""
         assert self.control is not None and self.policy is not None
         s = self.state
+        if self.trained() and self.resident_trainer().step < s.train_end_step:
+            self.console.print("  [yellow]warning:[/] the steps this iteration trained were in memory only when "
+                               "the run was killed: training them again")
+            self.train(i)
         try:
             with self.console.status(f"publish policy version {i + 1}"):
-                checkpoint = self.publishable() if s.checkpoint else None
-                if checkpoint is not None:
-                    served, paused = publish_weights(self.control, self.policy, checkpoint, i + 1,
-                                                     self.gguf_dir, self.cfg.proxy.pause_timeout)
-                    s.served, s.checkpoint = str(served), str(checkpoint)
-                else:  # nothing trained, or nothing valid: the same weights under the next version
+                if self.trained():
+                    served, paused = publish_weights(self.control, self.policy, self.resident_trainer().weights(),
+                                                     i + 1, self.policies, self.cfg.proxy.pause_timeout)
+                    s.served = str(served)
+                else:  # nothing trained: the same weights under the next version
                     paused = 0.0
                     self.control.pause(self.cfg.proxy.pause_timeout)
                     self.control.resume(i + 1)
@@ -631,8 +668,12 @@ class RLRun:
         s.version = i + 1
         s.seconds["paused"] = round(paused, 3)
         prune_checkpoints(self.train_out, self.cfg.loop.keep_checkpoints, keep_also=s.checkpoint)
-        for old in self.gguf_dir.glob("policy-*.gguf"):
-            if str(old) != s.served:
+        for old in self.policies.glob("policy-*"):
+            if str(old) == s.served:
+                continue
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
                 old.unlink()
         self.console.print(f"  published {s.served or self.start_weights} as policy version {i + 1} "
                            f"(proxy paused {paused:.1f} s)")
@@ -643,7 +684,9 @@ class RLRun:
         summary = json.loads((self.rollout_dir(i) / "summary.json").read_text())
         overall = summary["overall"]
         results = [json.loads(x) for x in (self.rollout_dir(i) / "results.jsonl").read_text().splitlines() if x]
-        metrics = [m for m in read_lines(self.train_out / "metrics.jsonl") if m["step"] > self.state.train_start_step]
+        s = self.state
+        metrics = [m for m in read_lines(self.train_out / "metrics.jsonl")
+                   if s.train_start_step < m["step"] <= s.train_end_step] if self.trained() else []
         con = duckdb.connect(str(self.db), read_only=True)
         try:
             samples, trainable = con.execute(

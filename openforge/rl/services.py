@@ -1,9 +1,10 @@
 """The two servers an RL run keeps up: the engine and the proxy in front of it, and how new weights reach
 the engine while the proxy holds new calls (pause -> publish -> resume with the next policy version).
 
-llama.cpp cannot swap weights in place: publishing exports the checkpoint to GGUF (f16) and restarts the
-server on the same port; the first policy is served at that precision too (`gguf_export.served_gguf`).
-vLLM (development mode, never facing the network) reloads them in place.
+New weights come from the resident trainer's memory, never from a checkpoint. llama.cpp cannot swap weights
+in place: publishing exports them to GGUF (f16) and restarts the server on the same port; the first policy
+is served at that precision too (`gguf_export.served_gguf`). vLLM (development mode, never facing the
+network) reloads them in place from a weights-only model directory.
 
 Secrets reach both servers as files in the run's `secrets/` directory (0600 in a 0700 directory), never
 through a command line or an environment: the engine requires a key only the proxy and the loop hold.
@@ -18,13 +19,18 @@ import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from openforge.engine import EmbeddedEngine, EngineError, EngineProcess
 from openforge.processes import Child, free_port, listens, mitmdump_command, without_secrets
 from openforge.rl.config import RLConfig
+
+if TYPE_CHECKING:
+    import torch
+
+Weights = Mapping[str, "torch.Tensor"]  # a model's full weights by transformers name (`Trainer.weights`)
 
 
 class ProxyProcess:
@@ -135,8 +141,9 @@ class Policy:
     def url(self) -> str:
         return self.engine.url
 
-    def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
-        """Serve `checkpoint`'s weights; what is served now (a GGUF or the checkpoint directory)."""
+    def publish(self, weights: Weights, version: int, out: Path) -> Path:
+        """Serve `weights` (the trainer's, from memory) as policy `version`, written under `out`; what is
+        served now (a GGUF or a model directory)."""
         raise NotImplementedError
 
 
@@ -162,13 +169,11 @@ class LlamaCppPolicy(Policy):
         return EmbeddedEngine(gguf, port=port, n_ctx=e.max_model_len, n_parallel=e.parallel, threads=e.threads,
                               log_path=self.log_path, api_key_file=self.key_file)
 
-    def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
-        from safetensors.torch import load_file
-
+    def publish(self, weights: Weights, version: int, out: Path) -> Path:
         from openforge.gguf_export import export_gguf
 
         target = out / f"policy-{version:04d}.gguf"
-        export_gguf(load_file(str(checkpoint / "model.safetensors")), self.template_gguf, target)
+        export_gguf(weights, self.template_gguf, target)
         port = self.engine.port
         self.engine.stop()
         self.served, self.engine = target, self._engine(target, port)
@@ -177,7 +182,8 @@ class LlamaCppPolicy(Policy):
 
 
 class VllmPolicy(Policy):
-    """vLLM in development mode on 127.0.0.1; new weights = its in-place reload from the checkpoint."""
+    """vLLM in development mode on 127.0.0.1; new weights = a model directory of them (weights only, no
+    optimizer state), which vLLM reloads in place: its reload reads a directory."""
 
     profile = "vllm"
 
@@ -190,46 +196,23 @@ class VllmPolicy(Policy):
                                              threads=e.threads, dev_mode=True, log_path=log_path,
                                              api_key_file=key_file)
 
-    def publish(self, checkpoint: Path, version: int, out: Path) -> Path:
+    def publish(self, weights: Weights, version: int, out: Path) -> Path:
+        from openforge.trainer.checkpoint import write_weights
         from openforge.vllm_engine import reload_weights
 
-        reload_weights(self.engine.url, checkpoint, headers=self.engine.headers())
-        self.engine.model_dir = self.served = checkpoint  # what a restart serves
-        return checkpoint
+        target = write_weights(weights, self.served, out / f"policy-{version:04d}")
+        reload_weights(self.engine.url, target, headers=self.engine.headers())
+        self.engine.model_dir = self.served = target  # what a restart serves
+        return target
 
 
-class CheckpointInvalid(ValueError):
-    """A checkpoint that must not be served: it does not load, or a weight is NaN or infinite."""
-
-
-def check_checkpoint(path: Path) -> None:
-    """The checkpoint's weights load and are all finite; CheckpointInvalid saying why not."""
-    import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from openforge.trainer.checkpoint import CheckpointDamaged, check_weights
-
-    try:
-        check_weights(path)
-        files = sorted(path.glob("*.safetensors"))
-        for file in files:
-            for name, tensor in load_file(str(file)).items():
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    raise CheckpointInvalid(f"{file.name}: {name} is not finite")
-    except (CheckpointDamaged, SafetensorError, OSError, RuntimeError) as e:
-        raise CheckpointInvalid(str(e) or type(e).__name__) from None
-    if not files:
-        raise CheckpointInvalid("no safetensors weights")
-
-
-def publish(control: ControlAPI, policy: Policy, checkpoint: Path, version: int, out: Path,
+def publish(control: ControlAPI, policy: Policy, weights: Weights, version: int, out: Path,
             pause_timeout: float) -> tuple[Path, float]:
     """New calls wait in the proxy while the engine takes the weights; they go on, stamped `version`, after.
     (served path, seconds the proxy was paused). The proxy stays paused if publishing fails: nothing reaches
     an engine in an unknown state."""
     started = time.monotonic()
     control.pause(pause_timeout)
-    served = policy.publish(checkpoint, version, out)
+    served = policy.publish(weights, version, out)
     control.resume(version)
     return served, time.monotonic() - started
