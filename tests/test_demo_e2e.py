@@ -62,7 +62,7 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
     assert (out / "rl.png").stat().st_size > 10_000
     published = [line["iteration"] + 1 for line in lines if not line["skipped_train"]]
     if published:  # the newest policy the loop published is what the engine serves at the end
-        served = out / "gguf" / f"policy-{published[-1]:04d}.gguf"
+        served = out / "policies" / f"policy-{published[-1]:04d}.gguf"
         assert lines[-1]["served"] == str(served) and served.stat().st_size > 200_000_000
 
     # flow files -> DuckDB: engine token ids, rewards, GRPO advantages, the policy version of every call
