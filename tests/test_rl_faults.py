@@ -73,9 +73,9 @@ class Run(RLRun):
     """The loop with stand-in services; the stages in `fake` only log themselves, the others are real."""
 
     def __init__(self, out: Path, log: list[Any], *, resume: bool = False, fake: tuple[str, ...] = OTHER_STAGES,
-                 policy: FakePolicy | None = None, iterations: int = 1) -> None:
+                 policy: FakePolicy | None = None, iterations: int = 1, sets: dict[str, str] | None = None) -> None:
         cfg = load_rl_config(sets={"loop.iterations": str(iterations), "rollout.max_tasks": "2",
-                                   "rollout.attempts": "2"})
+                                   "rollout.attempts": "2", **(sets or {})})
         self.text = io.StringIO()
         super().__init__(cfg, out, Console(file=self.text, width=200), resume)
         self.log = log
@@ -261,7 +261,7 @@ def test_steps_a_kill_lost_are_trained_again_before_publishing(tmp_path: Path) -
     saved, so the trainer loaded on resume is at step 2."""
     trainer = FakeTrainer(2, {"w": torch.zeros(1)})
     run = publish_run(tmp_path, trainer, start=2, end=4)
-    run.train = lambda i: setattr(trainer, "step", 4)  # type: ignore[method-assign]
+    run.train_pass = lambda i: setattr(trainer, "step", 4)  # type: ignore[method-assign]
     with run.services():
         run.publish(0)
     assert trainer.step == 4 and len(run.fake_policy.published) == 1

@@ -285,6 +285,29 @@ def test_ctrl_c_mid_rollout_stops_everything_and_resume_counts_each_episode_once
     assert [p.name for p in (out / "policies").iterdir()] == ["policy-0002.gguf"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_async_mode_trains_on_the_last_rollouts_while_the_next_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")},
+           "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+    done = subprocess.run([sys.executable, "-m", "openforge.cli", "rl", "--out", str(out), *SHORT,
+                           "--set", "loop.mode=async", "--set", "train.keep_zero_advantage=true"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1100)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = [json.loads(x) for x in (out / "rl.jsonl").read_text().splitlines()]
+    assert [x["trained_on"] for x in lines] == [None, 0] and [x["policy_version"] for x in lines] == [0, 1]
+    assert lines[0]["skipped_train"].startswith("async mode") and lines[0]["train_steps"] == 0
+    assert lines[1]["train_steps"] == 1 and lines[1]["staleness"] == {"max": 1, "mean": 1.0}  # one version behind
+    assert lines[1]["served"] == str(out / "policies" / "policy-0002.gguf")
+    con = duckdb.connect(str(out / "rl.duckdb"), read_only=True)
+    versions = con.execute("SELECT r.iteration, c.policy_version FROM calls c JOIN rl_episodes r USING (episode_id) "
+                           "GROUP BY ALL ORDER BY 1").fetchall()
+    split = con.execute("SELECT episode_id FROM calls GROUP BY 1 HAVING count(DISTINCT policy_version) > 1").fetchall()
+    con.close()
+    assert versions == [(0, 0), (1, 1)] and split == []  # every episode on one policy version
+
+
 # --- the trainer's output in the loop ------------------------------------------------------------------------
 
 def test_the_step_message_says_which_steps_run() -> None:

@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -137,7 +138,7 @@ class Selection:
         except BaseException:
             source.close()
             raise
-        return cls(source, n, images)
+        return cls(source, n, bool(images))
 
     def steps(self, cfg: TrainConfig) -> int:
         """The steps one pass of `fit` runs: `cfg.steps`, or `cfg.epochs` passes of `step_tokens` batches."""
@@ -172,7 +173,8 @@ class Trainer:
         found = checkpoint.latest(cfg.out, self.say) if resume else None
         if resume and found is None:
             self.say(f"no checkpoint under {cfg.out}/checkpoints: starting from {cfg.model}")
-        self.resumed_from, state = found or (None, None)  # a mid-run checkpoint keeps its proximal logprobs
+        self.resumed_from: Path | None = found[0] if found else None  # a mid-pass one keeps proximal logprobs
+        state = found[1] if found else None
         self.model_dir = str(self.resumed_from or cfg.model)
         self.selection = self.select(where) if where is not None else None
         self.model = load_model(self.model_dir, self.device, cfg.grad_checkpointing, cfg.tree)
@@ -190,6 +192,7 @@ class Trainer:
             if state else (0, Position())
         self.saved_step = self.step if state else -1  # the step of the newest checkpoint written or read
         self.proximal: ProximalLogprobs | None = None  # the current pass's, kept until it ends
+        self.stop = threading.Event()  # set from another thread: `fit` returns at its next step boundary
         self.trees = TreeChoice(cfg.tree, cfg.row_tokens, self.say)
         self.metrics_path = Path(cfg.out) / "metrics.jsonl"
         if self.master:
@@ -204,7 +207,8 @@ class Trainer:
         """Optimizer steps on `selection` until step `end` (numbered across every pass, as metrics.jsonl and
         the checkpoints number them). `restart`: read the selection from its beginning, a new pass; otherwise
         go on from the restored position (a pass a checkpoint interrupted). `on_step` gets each step's
-        metrics.jsonl record (rank 0): the RL loop's experiment trackers."""
+        metrics.jsonl record (rank 0): the RL loop's experiment trackers. `stop` (an Event another thread
+        sets) ends the pass early, between two steps, with `step` < `end`."""
         cfg, source, step = self.cfg, selection.source, self.step
         ppo = cfg.objective == "ppo"
         if restart:
@@ -215,7 +219,7 @@ class Trainer:
                      f"{self.world_size} rank(s) on {self.device.type}, objective {cfg.objective}")
         rank, world_size, device, rope = self.rank, self.world_size, self.device, self.rope
         idle = idle_sample(self.model.config) if selection.images and world_size > 1 else None  # vision everywhere
-        from_start, trained = self.position == Position(), set()  # which samples a fixed step count reached
+        from_start, trained = self.position == Position(), set[str]()  # which samples a fixed step count reached
         epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
         if ppo and cfg.old_policy == "recompute" and step < end and self.proximal is None:
             # the proximal policy: one pass over what this pass's steps will read, before any update
@@ -223,9 +227,12 @@ class Trainer:
             proximal = ProximalLogprobs.load(None if restart else self.resumed_from, rank)
             saved = len(proximal)
             planned = source.batches(cfg.step_tokens, self.position, epochs)
-            proximal_pass(self.model, source, itertools.islice(planned, end - step), cfg, rank, world_size, device,
-                          rope, idle, proximal)
+            until_stopped = itertools.takewhile(lambda _: not self.stop.is_set(), itertools.islice(planned, end - step))
+            proximal_pass(self.model, source, until_stopped, cfg, rank, world_size, device, rope, idle, proximal)
             planned.close()
+            if self.stop.is_set():
+                source.close()
+                return
             self.proximal = proximal
             kept = f", {saved} kept from {self.resumed_from.name}" if saved and self.resumed_from else ""
             self.say(f"proximal policy: logprobs of {len(proximal) - saved} samples before the first update{kept} "
@@ -233,7 +240,7 @@ class Trainer:
         progress = ProgressBar(cfg.progress and self.master, end, step)
         with progress, source:
             for batch, next_position in source.batches(cfg.step_tokens, self.position, epochs):
-                if self.step >= end:
+                if self.step >= end or self.stop.is_set():
                     break
                 record = self.train_step(source, batch, next_position, idle)
                 trained.update(x.sample_id for x in batch)

@@ -67,12 +67,16 @@ class ReconstructSettings:
     train_roles: list[str] = field(default_factory=lambda: ["agent"])
 
 
+LOOP_MODES = ("sync", "async")
+
+
 @dataclass
 class LoopSettings:
     iterations: int = 3
     window: int = 1               # train on the samples of the last W iterations (W - 1 = the staleness allowed)
     keep_checkpoints: int = 1     # trainer checkpoints kept (1.6 GB each for SmolLM2-135M with AdamW state)
     checkpoint_every: int = 5     # a full checkpoint every N iterations (and at the end, and when the run stops)
+    mode: str = "sync"            # async: iteration i trains on iteration i-1's samples while its rollouts run
 
 
 @dataclass
@@ -155,6 +159,7 @@ class RLConfig:
             (self.loop.window >= 1, "loop.window must be >= 1"),
             (self.loop.keep_checkpoints >= 1, "loop.keep_checkpoints must be >= 1"),
             (self.loop.checkpoint_every >= 1, "loop.checkpoint_every must be >= 1"),
+            (self.loop.mode in LOOP_MODES, f"loop.mode must be one of {', '.join(LOOP_MODES)}, not {self.loop.mode!r}"),
             (self.tasks.recalibrate_every >= 0, "tasks.recalibrate_every must be >= 0 (0 = never)"),
             (not (self.eval.tasks and self.eval.split), "eval.tasks and eval.split: give one of them"),
             (0 <= self.eval.split < 1, f"eval.split must be in [0, 1), not {self.eval.split:g}"),

@@ -37,6 +37,7 @@ import json
 import os
 import secrets
 import shutil
+import threading
 import time
 import tomllib
 from collections import defaultdict
@@ -70,7 +71,7 @@ from openforge.taskforge.calibrate import out_of_band, parse_band, pass_rates
 from openforge.tracking import TrackerError, Trackers
 
 if TYPE_CHECKING:
-    from openforge.trainer.train import Trainer
+    from openforge.trainer.train import Selection, Trainer
 
 STAGES = ("eval", "rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
 STATE_VERSION = 1
@@ -183,6 +184,7 @@ class RLRun:
         self.proxy: ProxyProcess | None = None
         self.control: ControlAPI | None = None
         self.trainer: Trainer | None = None  # loaded by the first stage that needs it, kept for the run
+        self.trainer_thread: threading.Thread | None = None  # async mode: the pass beside the rollout
         self._resolve_models()
 
     # -- set-up ----------------------------------------------------------------------------------------------
@@ -466,7 +468,12 @@ class RLRun:
 
     def rollout(self, i: int) -> None:
         """Every task x toolchain x attempt on policy version i; the verifiers post rewards to the proxy. If
-        the engine died meanwhile, it is restarted and the episodes of that round run again."""
+        the engine died meanwhile, it is restarted and the episodes of that round run again. In async mode
+        iteration i's training runs beside it (`training_beside`)."""
+        with self.training_beside(i) if self.cfg.loop.mode == "async" else contextlib.nullcontext():
+            self.rollout_episodes(i)
+
+    def rollout_episodes(self, i: int) -> None:
         from openforge.rollout.runner import prepare
 
         r = self.cfg.rollout
@@ -568,6 +575,8 @@ class RLRun:
             from openforge.trainer.train import Trainer
 
             cfg = self.cfg.train_config(str(self.db), str(self.base_model), str(self.train_out), "")
+            if self.cfg.loop.mode == "async":  # its steps print as lines: the rollout's progress bar is on screen
+                cfg = dataclasses.replace(cfg, progress=False)
             with self.console.status("loading the trainer"):
                 self.trainer = Trainer(cfg, resume=True, say=lambda m: self.console.print(f"  {m}"))
         return self.trainer
@@ -577,6 +586,10 @@ class RLRun:
         `--resume` goes on from them (the trainer is always between two steps: `deferred_interrupt`)."""
         trainer, self.trainer = self.trainer, None
         if trainer is None:
+            return
+        if self.trainer_thread is not None and self.trainer_thread.is_alive():
+            self.console.print("  [yellow]warning:[/] the trainer is still in a step; its state was not saved "
+                               "(--resume trains from the newest checkpoint)")
             return
         try:
             if trainer.unsaved:
@@ -589,54 +602,124 @@ class RLRun:
         finally:
             trainer.close()
 
-    def train(self, i: int) -> None:
-        """Policy-gradient steps on the selection, in the resident trainer (its weights and optimizer state go
-        on from the last iteration's). An iteration with nothing to learn (`nothing_to_learn`) runs no step:
-        the engine keeps serving the same weights, and rl.jsonl's `skipped_train` says why."""
-        import torch
+    def trains_on(self, i: int) -> int | None:
+        """The iteration whose rollouts iteration i trains on: its own (sync), or the one before (async: they
+        train while its own run; none in iteration 0)."""
+        if self.cfg.loop.mode == "sync":
+            return i
+        return i - 1 if i > 0 else None
 
+    def train(self, i: int) -> None:
+        """The train stage: policy-gradient steps in the resident trainer (`train_pass`). In async mode the
+        steps ran during the rollout stage (`training_beside`), so there is nothing left to do here."""
+        if self.cfg.loop.mode == "sync":
+            self.train_pass(i)
+
+    def train_pass(self, i: int) -> None:
+        """Iteration i's pass, start to end: `prepare_pass`, the steps, and a checkpoint when one is due."""
+        selection = self.prepare_pass(i)
+        if selection is not None:
+            self.fit(selection)
+        self.checkpoint_if_due(i)
+
+    def prepare_pass(self, i: int) -> Selection | None:
+        """What iteration i's pass trains (its weights and optimizer state go on from the last iteration's),
+        checked; None when there is nothing to train: no earlier rollouts (async, iteration 0), nothing to
+        learn (`nothing_to_learn`: no step, the engine keeps serving the same weights, and rl.jsonl's
+        `skipped_train` says why), or the steps already done (a stop saved them)."""
         from openforge.trainer.config import ConfigError
         from openforge.trainer.data import DataError
 
-        s = self.state
+        s, source = self.state, self.trains_on(i)
+        if source is None:
+            s.skipped_train = "async mode: the first iteration has no earlier rollouts to train on"
+            return None
         con = duckdb.connect(str(self.db))
         try:
             ensure_tables(con)  # a run an older OpenForge started has no rl_reward_mismatches
         finally:
             con.close()
-        where = self.selection(i)
+        where = self.selection(source)
         s.skipped_train = nothing_to_learn(self.db, where, self.cfg.train_config("", "", "", where))
         if s.skipped_train:
             self.console.print(f"  [yellow]nothing to learn[/]: {s.skipped_train}; no optimizer step, the engine "
                                f"keeps serving the same weights")
-            return
+            return None
         try:
             trainer = self.resident_trainer()
+            trainer.stop.clear()
             if 0 <= trainer.step < s.train_start_step:
                 self.console.print(f"  [yellow]warning:[/] the newest checkpoint is at step {trainer.step}, before "
                                    f"this iteration's start (step {s.train_start_step}): the steps between were in "
                                    "memory only when the run was killed; this iteration trains from the checkpoint")
             if s.train_start_step < 0 or trainer.step < s.train_start_step:
                 s.train_start_step, s.train_end_step = trainer.step, -1
-            cfg = trainer.cfg
-            cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-            bf16 = not cuda and cpu_has_bf16()  # CUDA: the trainer autocasts itself
-            with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                selection = trainer.select(where)
-                if s.train_end_step < 0:
-                    s.train_end_step = trainer.step + selection.steps(cfg)
-                    s.save(self.state_path)
-                if trainer.step < s.train_end_step:  # past the start: go on with the pass a checkpoint interrupted
-                    trainer.fit(selection, s.train_end_step, restart=trainer.step == s.train_start_step,
-                                on_step=lambda record: self.track("train", record, int(record["step"])))
-                else:
-                    selection.source.close()
+            selection = trainer.select(where)
+            if s.train_end_step < 0:
+                s.train_end_step = trainer.step + selection.steps(trainer.cfg)
+                s.save(self.state_path)
         except (ConfigError, DataError) as e:
             raise RLError(f"training refused: {e}") from None
-        every = self.cfg.loop.checkpoint_every
-        if trainer.unsaved and ((i + 1) % every == 0 or i + 1 >= self.cfg.loop.iterations):
+        if trainer.step >= s.train_end_step:  # done before a stop, which saved them
+            selection.source.close()
+            return None
+        return selection
+
+    def fit(self, selection: Selection) -> None:
+        """The pass's steps (bf16 autocast on a CPU that has it; CUDA autocasts itself); a stop between
+        steps (Ctrl-C, `Trainer.stop`) leaves the trainer there, saved when the run ends."""
+        import torch
+
+        from openforge.trainer.data import DataError
+
+        s, trainer = self.state, self.resident_trainer()
+        cfg = trainer.cfg
+        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        bf16 = not cuda and cpu_has_bf16()
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                trainer.fit(selection, s.train_end_step, restart=trainer.step == s.train_start_step,
+                            on_step=lambda record: self.track("train", record, int(record["step"])))
+        except DataError as e:
+            raise RLError(f"training refused: {e}") from None
+
+    def checkpoint_if_due(self, i: int) -> None:
+        """A full checkpoint every `loop.checkpoint_every` iterations and after the last one."""
+        every, trainer = self.cfg.loop.checkpoint_every, self.trainer
+        if trainer is not None and trainer.unsaved and ((i + 1) % every == 0 or i + 1 >= self.cfg.loop.iterations):
             with self.console.status(f"checkpoint at step {trainer.step}"):
-                s.checkpoint = str(trainer.save())
+                self.state.checkpoint = str(trainer.save())
+
+    @contextlib.contextmanager
+    def training_beside(self, i: int) -> Iterator[None]:
+        """async: iteration i's pass in a thread while the body (its rollout, on the policy served now) runs;
+        joined at the end, where its error is raised. A stop of the body (Ctrl-C) stops the trainer at its
+        next step boundary and waits for it, so what the run saves on the way out is a state it was in."""
+        selection = self.prepare_pass(i)
+        if selection is None:
+            yield
+            return
+        trainer, failed = self.resident_trainer(), []
+
+        def work() -> None:
+            try:
+                self.fit(selection)
+            except BaseException as e:  # noqa: BLE001 - raised in the loop's thread after the join
+                failed.append(e)
+
+        self.trainer_thread = threading.Thread(target=work, name="openforge-trainer", daemon=True)
+        self.trainer_thread.start()
+        try:
+            yield
+            self.trainer_thread.join()
+        except BaseException:
+            trainer.stop.set()
+            self.console.print(f"  stopping the trainer after its current step (step {trainer.step + 1})")
+            self.trainer_thread.join()
+            raise
+        if failed:
+            raise failed[0]
+        self.checkpoint_if_due(i)
 
     def trained(self) -> bool:
         """This iteration runs optimizer steps."""
@@ -652,7 +735,7 @@ class RLRun:
         if self.trained() and self.resident_trainer().step < s.train_end_step:
             self.console.print("  [yellow]warning:[/] the steps this iteration trained were in memory only when "
                                "the run was killed: training them again")
-            self.train(i)
+            self.train_pass(i)
         try:
             with self.console.status(f"publish policy version {i + 1}"):
                 if self.trained():
@@ -694,9 +777,10 @@ class RLRun:
                 f"{self.selection(i)} AND policy_version = {i}").fetchone()
             mismatches = con.execute("SELECT count(*) FROM rl_reward_mismatches WHERE iteration = ?",
                                      [i]).fetchone()[0]
+            source = self.trains_on(i)
             stale_max, stale_mean = con.execute(
                 f"SELECT max({i} - policy_version), avg({i} - policy_version) FROM samples WHERE n_trainable > 0 "
-                f"AND {self.selection(i)}").fetchone()
+                f"AND {self.selection(source)}").fetchone() if source is not None else (None, None)
         finally:
             con.close()
         return {
@@ -713,6 +797,7 @@ class RLRun:
             "train_step_range": [metrics[0]["step"], metrics[-1]["step"]] if metrics else None,
             "train": {k: sum(m[k] for m in metrics) / len(metrics) for k in METRIC_MEANS} if metrics else None,
             "reward_mismatches": mismatches,
+            "trained_on": source if self.trained() else None,
             "staleness": {"max": stale_max, "mean": None if stale_mean is None else round(stale_mean, 6)},
             "checkpoint": self.state.checkpoint or None, "served": self.state.served or str(self.start_weights),
             "seconds": dict(self.state.seconds),
