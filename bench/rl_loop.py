@@ -34,6 +34,7 @@ STAGES = ("eval", "rollout", "reconstruct", "train", "publish")
 # The parts timed inside the demo's process: (module, function) -> label. Each call appends a line to the
 # trace file; `train` marks which iteration the parts inside it belong to.
 TIMED = {
+    ("openforge.rl.loop", "RLRun.iteration"): "iteration",
     ("openforge.rl.loop", "RLRun.train"): "train call",
     ("openforge.trainer.train", "load_model"): "model load",
     ("openforge.trainer.checkpoint", "latest"): "optimizer state load",
@@ -86,31 +87,33 @@ def split_iterations(out: Path, trace: Path) -> list[dict[str, float]]:
     metrics = out / "train" / "metrics.jsonl"
     steps = [json.loads(x) for x in metrics.read_text().splitlines() if x] if metrics.is_file() else []
     calls = sorted((e for e in events if e["what"] == "train call"), key=lambda e: e["start"])
-    exports = sorted((e for e in events if e["what"] in PUBLISH_PARTS), key=lambda e: e["start"])
+    windows = sorted((e for e in events if e["what"] == "iteration"), key=lambda e: e["start"])
     rows = []
     for i, line in enumerate(lines):
         row: dict[str, float] = {k: float(line["seconds"].get(k, 0.0)) for k in STAGES}
         row["reward"] = line.get("reward_mean") or 0.0
-        call = calls[i] if i < len(calls) else None
-        if call is not None:
-            inside = [e for e in events if call["start"] <= e["start"] <= call["start"] + call["seconds"]
-                      and e["what"] in OVERHEAD]
-            parts = Counter[str]()
-            for e in inside:
+        if i >= len(windows) or i >= len(calls):
+            rows.append(row)
+            continue
+        window, call = windows[i], calls[i]
+        inside = [e for e in events if window["start"] <= e["start"] <= window["start"] + window["seconds"]]
+        parts = Counter[str]()
+        for e in inside:
+            if e["what"] in (*OVERHEAD, *PUBLISH_PARTS):
                 parts[e["what"]] += e["seconds"]
-            lo, hi = line.get("train_step_range") or (0, -1)
-            mine = [s for s in steps if lo <= s["step"] <= hi]
-            row["steps"] = sum(s["tokens"] / s["tokens_per_s"] for s in mine if s.get("tokens_per_s"))
-            row["sample tokens"] = sum(s["tokens"] for s in mine)
-            row["computed tokens"] = sum(s["computed_tokens"] for s in mine)
-            row |= dict(parts)
-            row["train other"] = call["seconds"] - row["steps"] - sum(parts.values())
+        lo, hi = line.get("train_step_range") or (0, -1)
+        mine = [s for s in steps if lo <= s["step"] <= hi]
+        row["steps"] = sum(s["tokens"] / s["tokens_per_s"] for s in mine if s.get("tokens_per_s"))
+        row["sample tokens"] = sum(s["tokens"] for s in mine)
+        row["computed tokens"] = sum(s["computed_tokens"] for s in mine)
+        row |= dict(parts)
+        beside = line["seconds"].get("train_beside")
+        if beside is not None:  # async mode: the pass ran in a thread during the rollout stage
+            row["train beside the rollout"] = float(beside)
+        else:
+            row["train other"] = call["seconds"] - row["steps"] - sum(parts[k] for k in OVERHEAD)
             row["outside train()"] = row["train"] - call["seconds"]  # the stage's own bookkeeping
-        publish = [e for e in exports if i < len(calls) and e["start"] > calls[i]["start"] and
-                   (i + 1 >= len(calls) or e["start"] < calls[i + 1]["start"])]
-        for e in publish:
-            row[e["what"]] = row.get(e["what"], 0.0) + e["seconds"]
-        row["engine restart + proxy"] = row["publish"] - sum(e["seconds"] for e in publish)
+        row["engine restart + proxy"] = row["publish"] - sum(parts[k] for k in PUBLISH_PARTS)
         rows.append(row)
     return rows
 
@@ -135,7 +138,8 @@ def one_run(sets: list[str], args: list[str]) -> tuple[bool, float, list[dict[st
 
 def table(rows: list[dict[str, float]]) -> str:
     """One column per iteration and one for the mean; a row per stage, then the parts of train and publish."""
-    keys = [*STAGES, "steps", *OVERHEAD, "train other", "outside train()", *PUBLISH_PARTS, "engine restart + proxy"]
+    keys = [*STAGES, "train beside the rollout", "steps", *OVERHEAD, "train other", "outside train()", *PUBLISH_PARTS,
+            "engine restart + proxy"]
     keys = [k for k in keys if any(k in r for r in rows)]
     head = f"{'seconds':<28}" + "".join(f"{'it ' + str(i + 1):>9}" for i in range(len(rows))) + f"{'mean':>9}"
     out = [head]
@@ -147,13 +151,19 @@ def table(rows: list[dict[str, float]]) -> str:
     out.append(f"{'iteration':<28}" + "".join(f"{v:>9.1f}" for v in total) + f"{sum(total) / len(total):>9.1f}")
     out.append("tokens per iteration, in the samples / computed (tree mode computes shared prefixes once): " +
                ", ".join(f"{r.get('sample tokens', 0):.0f} / {r.get('computed tokens', 0):.0f}" for r in rows))
-    train = sum(r["train"] for r in rows)
+    train = training_seconds(rows)
     if train:
         load_save, other = overhead(rows)
-        out.append(f"train stage {train:.1f} s: training steps {sum(r.get('steps', 0.0) for r in rows):.1f} s, "
+        steps = sum(r.get("steps", 0.0) for r in rows)
+        out.append(f"training {train:.1f} s (train stage, or beside the rollout): steps {steps:.1f} s, "
                    f"trainer load/save {load_save:.1f} s ({100 * load_save / train:.0f}%), other {other:.1f} s "
                    f"(the proximal pass, selection checks)")
     return "\n".join(out)
+
+
+def training_seconds(rows: list[dict[str, float]]) -> float:
+    """The train stages' seconds, or (async mode) the training passes' that ran beside the rollouts."""
+    return sum(r["train"] + r.get("train beside the rollout", 0.0) for r in rows)
 
 
 def overhead(rows: list[dict[str, float]]) -> tuple[float, float]:
@@ -191,9 +201,9 @@ def main() -> None:
         print("side by side (means over every iteration of every run):")
         for name, rows in side.items():
             per_iteration = sum(r[k] for r in rows for k in STAGES) / max(len(rows), 1)
-            train, (load_save, _) = sum(r["train"] for r in rows), overhead(rows)
+            train, (load_save, _) = training_seconds(rows), overhead(rows)
             print(f"  {name:<40} iteration {per_iteration:7.1f} s   trainer load/save {load_save:6.1f} s "
-                  f"of {train:.1f} s in train ({100 * load_save / max(train, 1e-9):.0f}%)")
+                  f"of {train:.1f} s training ({100 * load_save / max(train, 1e-9):.0f}%)")
     runs = opts.runs * len(variants)
     print(f"{passed}/{runs} consecutive runs passed; wall {min(walls):.0f}-{max(walls):.0f} s "
           f"(mean {sum(walls) / len(walls):.0f} s)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,6 +20,8 @@ WAIT = 30.0  # seconds one side waits to see the other running: a sequential loo
 
 
 class StoppableTrainer:
+    device = SimpleNamespace(type="cpu")
+
     def __init__(self) -> None:
         self.step, self.unsaved, self.stop = 0, False, threading.Event()
 
@@ -64,6 +67,8 @@ def test_each_iteration_trains_on_the_one_before_while_its_rollouts_run(tmp_path
                      (1, "prepare", 0), (1, "fit", "samples of iteration 0"), (1, "publish"),
                      (2, "prepare", 1), (2, "fit", "samples of iteration 1"), (2, "publish")]
     assert (1, "checkpoint if due") in log and run.trainer_thread is not None and not run.trainer_thread.is_alive()
+    assert "train_beside" in run.state.seconds
+    assert "async mode with the trainer on the CPU" in run.text.getvalue()
 
 
 def test_ctrl_c_in_the_rollout_stops_the_trainer_at_a_step_boundary_first(tmp_path: Path) -> None:

@@ -699,13 +699,19 @@ class RLRun:
         if selection is None:
             yield
             return
-        trainer, failed = self.resident_trainer(), []
+        trainer, failed, elapsed = self.resident_trainer(), [], []
+        if trainer.device.type == "cpu":
+            self.console.print("  [yellow]note:[/] async mode with the trainer on the CPU: it and a CPU engine share "
+                               "the same cores, which can make both slower than sync mode (docs/rl.md, async mode)")
 
         def work() -> None:
+            started = time.monotonic()
             try:
                 self.fit(selection)
             except BaseException as e:  # noqa: BLE001 - raised in the loop's thread after the join
                 failed.append(e)
+            finally:
+                elapsed.append(round(time.monotonic() - started, 3))
 
         self.trainer_thread = threading.Thread(target=work, name="openforge-trainer", daemon=True)
         self.trainer_thread.start()
@@ -717,6 +723,7 @@ class RLRun:
             self.console.print(f"  stopping the trainer after its current step (step {trainer.step + 1})")
             self.trainer_thread.join()
             raise
+        self.state.seconds["train_beside"] = elapsed[0]  # after the join: only the loop's thread writes the state
         if failed:
             raise failed[0]
         self.checkpoint_if_due(i)
