@@ -85,6 +85,17 @@ def ancestors(tree: Tree, node: int) -> list[int]:
     return path[::-1]
 
 
+def subtree_ends(parent: np.ndarray) -> np.ndarray:
+    """One past the last position of each node's subtree in a preorder row (`parent`: each node's parent's
+    position, -1 for a root): a query at q sees key k iff k <= q < end[k], the ancestor mask (`tree_row`) and,
+    without materialising it, the FlexAttention one (trainer/attention.py)."""
+    end = np.arange(1, len(parent) + 1)
+    for i in range(len(parent) - 1, 0, -1):  # children come after their parent: a child's end is final first
+        if parent[i] >= 0:
+            end[parent[i]] = max(end[parent[i]], end[i])
+    return end
+
+
 def pieces(tree: Tree, row_tokens: int) -> list[list[int]]:
     """Cover the tree with pieces of at most `row_tokens` nodes, each a subtree-closed set led by its
     ancestor path (repeated as context), splitting only where a subtree does not fit.
@@ -153,15 +164,10 @@ def tree_row(tree: Tree, samples: list[Sample], coef: dict[str, float],
     """One packed row [1, T] of pieces: positions by depth, a [1, 1, T, T] ancestor mask, per-node loss data."""
     nodes = np.concatenate([np.asarray(p, dtype=np.int64) for p, _ in parts])
     counted = np.concatenate([f for _, f in parts])
-    parent, end = [], []  # parent's position in the row; end of each node's subtree in the row (preorder)
+    parent: list[int] = []  # each node's parent's position in the row
     for p, _ in parts:
-        start = len(parent)
-        local = {n: start + i for i, n in enumerate(p)}
+        local = {n: len(parent) + i for i, n in enumerate(p)}
         parent += [local.get(tree.parent[n], -1) for n in p]
-        end += [start + i + 1 for i in range(len(p))]
-        for i in range(len(p) - 1, 0, -1):  # a child's subtree ends where its parent's does, at least
-            q = parent[start + i]
-            end[q] = max(end[q], end[start + i])
     owner = np.asarray(tree.owner)[nodes]
     trained = counted & (owner >= 0)
     behaviour = np.zeros(len(nodes), np.float32)
@@ -174,7 +180,7 @@ def tree_row(tree: Tree, samples: list[Sample], coef: dict[str, float],
         if s.behaviour_logprobs is not None:
             behaviour[i], has_behaviour[i] = s.behaviour_logprobs[tree.depth[nodes[i]]], True
     pos = torch.arange(len(nodes))
-    end_t = torch.tensor(end)
+    end_t = torch.from_numpy(subtree_ends(np.asarray(parent, dtype=np.int64)))
     mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] < end_t[None, :])  # key is self or an ancestor
     t = lambda a: torch.from_numpy(np.asarray(a))[None]  # noqa: E731
     return Row(t(np.asarray(tree.token)[nodes]), t(np.asarray(tree.depth)[nodes]), mask[None, None], t(trained),
