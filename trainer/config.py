@@ -17,6 +17,7 @@ class ConfigError(ValueError):
 
 OBJECTIVES = ("ppo", "sft")  # `openforge train --objective` offers these
 GROUP_FILTERS = ("none", "dynamic")
+ATTENTIONS = ("auto", "sdpa", "flex", "flash")  # trainer/attention.py: `choose_attention`
 
 
 @dataclass
@@ -71,6 +72,8 @@ class TrainConfig:
     # --- bookkeeping
     save_every: int = 0               # steps between checkpoints; 0 = only at the end
     device: str = "auto"              # auto | cpu | cuda
+    attention: str = "auto"           # auto (CUDA: flex when it imports; CPU: sdpa) | sdpa | flex (CUDA) |
+                                      # flash (CUDA, flash_attn installed; chain rows only): docs/trainer.md
     progress: bool = True
 
     def validate(self) -> TrainConfig:
@@ -96,6 +99,8 @@ class TrainConfig:
             raise ConfigError(f'tree must be true, false or "auto", not {self.tree!r}')
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"attention must be auto, sdpa, flex or flash, not {self.attention!r}")
         return self
 
     def to_dict(self) -> dict[str, Any]:

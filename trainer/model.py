@@ -13,24 +13,17 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from openforge.trainer.data import DataError
 
 
-def load_model(path: str, device: torch.device, grad_checkpointing: bool = False, tree: bool = False
+def load_model(path: str, device: torch.device, grad_checkpointing: bool = False, attention: str = "sdpa"
                ) -> torch.nn.Module:
     """fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast/FSDP.
 
     A config with a vision config (Qwen2.5-VL, Qwen3-VL) loads the whole vision-language model, vision
-    tower included. Tree mode passes a [B, 1, T, T] boolean mask: sdpa takes it as is (flash-attention
-    takes none)."""
+    tower included. `attention`: transformers' attn_implementation (`attention.choose_attention`); sdpa takes
+    tree rows' [B, 1, T, T] boolean mask as is, flex_attention the BlockMask of `attention.flex_row`."""
     if not (Path(path) / "config.json").is_file():
         raise DataError(f"--model {path} is not a Hugging Face model directory (no config.json)")
-    attn = "sdpa"
-    if device.type == "cuda" and not tree:
-        try:
-            import flash_attn  # noqa: F401  (variable-length kernels for packed rows)
-            attn = "flash_attention_2"
-        except ImportError:
-            pass
     auto = AutoModelForImageTextToText if vl_config(path) is not None else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     model.config.use_cache = False
     if grad_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

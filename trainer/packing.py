@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from openforge.trainer.data import Sample
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 MRope = Callable[[Sample], np.ndarray]  # a sample -> its [3, n] (temporal, height, width) rope positions
 
@@ -27,8 +31,9 @@ MRope = Callable[[Sample], np.ndarray]  # a sample -> its [3, n] (temporal, heig
 class Row:
     input_ids: torch.Tensor        # long [B, T]
     position_ids: torch.Tensor     # long [B, T]; [4, B, T] for a vision-language model (text, then t/h/w rope)
-    attention_mask: torch.Tensor | None  # long [B, T] for padded rows; None for packed (positions say it);
-                                         # bool [1, 1, T, T] for tree rows (True: the key is self or an ancestor)
+    attention_mask: torch.Tensor | BlockMask | None  # long [B, T] for padded rows; None for packed (positions
+                                   # say it); bool [1, 1, T, T] for tree rows (True: the key is self or an ancestor);
+                                   # a FlexAttention BlockMask once on the device for flex (`attention.flex_row`)
     loss_mask: torch.Tensor        # bool [B, T]
     behaviour: torch.Tensor        # float [B, T]; the engine's logprob, 0 where unknown
     has_behaviour: torch.Tensor    # bool [B, T]; True on trainable tokens the engine gave a logprob for

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from openforge.trainer import checkpoint
 from openforge.trainer.allocator import return_freed_memory
+from openforge.trainer.attention import choose_attention, to_device
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
@@ -83,7 +84,7 @@ def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterato
         sources = row_sources(share, ones, cfg, idle)
         for i in range(reduce_max(len(mine), device)):
             row = mine[i] if i < len(mine) else make_row([idle] if idle else [], ones, cfg.packing, rope)
-            logp = old_logprobs(model, row.to(device), cfg.logit_chunk)
+            logp = old_logprobs(model, to_device(row, model, device, cfg.row_tokens), cfg.logit_chunk)
             if i < len(mine):
                 store.put(share, sources[i], logp)
     if store.missing():
@@ -177,11 +178,14 @@ class Trainer:
         state = found[1] if found else None
         self.model_dir = str(self.resumed_from or cfg.model)
         self.selection = self.select(where) if where is not None else None
-        self.model = load_model(self.model_dir, self.device, cfg.grad_checkpointing, cfg.tree)
+        attention, why = choose_attention(cfg.attention, self.device, cfg.tree, vl_config(self.model_dir) is not None)
+        self.say(f"attention: {attention} ({why})")
+        self.model = load_model(self.model_dir, self.device, cfg.grad_checkpointing, attention)
         self.rope = mrope(self.model)
         self.ref = None
         if cfg.kl_coef > 0:
-            self.ref = load_model(cfg.ref_model or cfg.model, self.device, tree=cfg.tree).eval().requires_grad_(False)
+            self.ref = load_model(cfg.ref_model or cfg.model, self.device, attention=attention).eval()
+            self.ref.requires_grad_(False)
         if self.world_size > 1:
             shard_model(self.model, self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
@@ -269,8 +273,8 @@ class Trainer:
         attach_pixels(source, share)
         mine = rows_of(share, coef, cfg, self.rope, idle, self.trees)
         n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
-        rows = [(mine[i] if i < len(mine) else make_row([idle] if idle else [], coef, cfg.packing, self.rope)
-                 ).to(device) for i in range(n_rows)]
+        fillers = [make_row([idle] if idle else [], coef, cfg.packing, self.rope) for _ in range(n_rows - len(mine))]
+        rows = [to_device(row, self.model, device, cfg.row_tokens) for row in mine + fillers]
         old: list[torch.Tensor | None] = [None] * n_rows
         if self.proximal is not None:  # the proximal logprobs of the rows' targets; filler rows have none
             found = [self.proximal.gather(share, src).to(device) for src in row_sources(share, coef, cfg, idle)]
