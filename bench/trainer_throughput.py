@@ -1,6 +1,10 @@
 """Trainer throughput: packed rows vs padded micro-batches, on agent-trace-like lengths.
 
     PYTHONPATH=. .venv/bin/python bench/trainer_throughput.py [--samples 96] [--row-tokens 2048] [--hidden 256]
+    python3 bench/trainer_throughput.py --shape 4b --row-tokens 8192 --modes packed --precision bf16   # a GPU
+
+`--shape` takes a Qwen3 model's shape (0.6b, 1.7b, 4b: vocabulary, tied embedding and all) instead of
+`--hidden`/`--layers`/`--vocab`; the model is initialised on the device, never on the CPU first.
 
 Lengths are long-tailed like agent traces (log-normal: many short single-call samples, a few long
 multi-turn ones). Every mode trains the same samples with the same objective and the same token budget
@@ -11,7 +15,8 @@ per forward pass (`row_tokens`):
 - padded+bucketed: length-sorted groups, as many per row as fit (the trainer's `packing = false`);
 - packed: several samples per row, position ids restarting, no attention across samples.
 The table shows tokens/s of real (non-pad) tokens (best of `--repeats` interleaved runs, the machine may be
-shared), the share of computed tokens that are real, and on CUDA the model FLOPs utilisation.
+shared), the share of computed tokens that are real, and on CUDA the model FLOPs utilisation
+(6 x params x real tokens/s over `--peak-tflops`; tree mode: over the tokens it computed).
 
 Then tree mode (`tree = true`) against packed chains on a second corpus of `--episodes` branched episodes
 whose lengths come from the captured traces (`--traces`, reconstructed with the real reconstructor and the
@@ -41,9 +46,43 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
+from openforge.trainer.model import compile_blocks, shard_model
 from openforge.trainer.packing import Row, coefficients, make_row, plan_rows
 from openforge.trainer.train import forward_loss
 from openforge.trainer.tree import tree_rows
+
+# Qwen3 shapes (config.json of Qwen/Qwen3-0.6B, -1.7B, -4B): hidden, intermediate, layers, heads, kv heads.
+QWEN3_SHAPES = {"0.6b": (1024, 3072, 28, 16, 8), "1.7b": (2048, 6144, 28, 16, 8), "4b": (2560, 9728, 36, 32, 8)}
+MODES = ("padded-batch", "padded-micro", "bucketed", "packed", "tree")
+
+
+def qwen3_config(shape: str, row_tokens: int, hidden: int = 256, layers: int = 4, vocab: int = 32768) -> Qwen3Config:
+    """A Qwen3 shape by name (head_dim 128, the real vocabulary, tied embedding), or a small custom one."""
+    if shape:
+        hidden, intermediate, layers, heads, kv = QWEN3_SHAPES[shape]
+        return Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=intermediate,
+                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=128,
+                           max_position_embeddings=max(row_tokens, 40960), tie_word_embeddings=True, use_cache=False)
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1),
+                       head_dim=64, max_position_embeddings=row_tokens, use_cache=False)
+
+
+def device_model(config: Qwen3Config, device: torch.device, precision: str, compile: bool) -> Qwen3ForCausalLM:
+    """The model built on the device (a 4B model's fp32 weights never pass through CPU memory), prepared as
+    `Trainer` prepares it: precision bf16 shards it with FSDP2 on a one-rank group, `compile` compiles its
+    blocks."""
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).train()
+    if precision == "bf16":
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+        shard_model(model, device, precision)
+    if compile:
+        compile_blocks(model, device, print)
+    return model
 
 
 def agent_lengths(n: int, row_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -201,6 +240,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=96)
     p.add_argument("--row-tokens", type=int, default=2048)
+    p.add_argument("--shape", choices=sorted(QWEN3_SHAPES), default="", help="a Qwen3 model's shape")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16-autocast", "bf16"))
+    p.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32768)
@@ -219,32 +262,32 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
-    config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=max(args.hidden // 64, 1),
-                         num_key_value_heads=max(args.hidden // 128, 1), head_dim=64,
-                         max_position_embeddings=args.row_tokens, use_cache=False)
-    model = Qwen3ForCausalLM(config).to(device).train()
+    config = qwen3_config(args.shape, args.row_tokens, args.hidden, args.layers, args.vocab)
+    model = device_model(config, device, args.precision, args.compile)
     n_params = sum(p.numel() for p in model.parameters())
+    modes = set(args.modes.split(","))
     lengths = agent_lengths(args.samples, args.row_tokens, rng)
-    batch = make_batch(lengths, args.vocab, rng)
-    print(f"{device.type}: {n_params / 1e6:.1f}M params, {len(batch)} samples, {lengths.sum()} tokens, "
+    batch = make_batch(lengths, config.vocab_size, rng)
+    print(f"{device.type}: {args.shape or 'custom'} {n_params / 1e6:.1f}M params, precision {args.precision}"
+          f"{', compiled' if args.compile else ''}, {len(batch)} samples, {lengths.sum()} tokens, "
           f"lengths median {int(np.median(lengths))} p90 {int(np.percentile(lengths, 90))} max {lengths.max()}, "
           f"row_tokens {args.row_tokens}, {torch.get_num_threads()} thread(s)")
 
-    padded = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=False)
-    packed = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=True)
+    padded = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=False, precision=args.precision)
+    packed = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=True, precision=args.precision)
     longest = int(lengths.max())
     per_row = max(1, args.row_tokens // longest)  # as many as fit at the batch's longest length
-    modes = {
-        f"padded, batch max (B={per_row})": (padded, arrival_rows(batch, per_row), longest),
-        f"padded, micro max (B={per_row})": (padded, arrival_rows(batch, per_row), 0),
-        "padded+bucketed": (padded, plan_rows(batch, args.row_tokens, False), 0),
-        "packed": (packed, plan_rows(batch, args.row_tokens, True), 0),
+    table = {
+        f"padded, batch max (B={per_row})": ("padded-batch", padded, arrival_rows(batch, per_row), longest),
+        f"padded, micro max (B={per_row})": ("padded-micro", padded, arrival_rows(batch, per_row), 0),
+        "padded+bucketed": ("bucketed", padded, plan_rows(batch, args.row_tokens, False), 0),
+        "packed": ("packed", packed, plan_rows(batch, args.row_tokens, True), 0),
     }
+    chosen = {name: (cfg, rows, width) for name, (mode, cfg, rows, width) in table.items() if mode in modes}
     run(model, batch[:4], packed, device, plan_rows(batch[:4], args.row_tokens, True))  # warm-up
     results: dict[str, dict[str, float]] = {}
-    for _ in range(args.repeats):  # interleaved, best of: a shared machine's load hits every mode alike
-        for name, (cfg, rows, width) in modes.items():
+    for _ in range(args.repeats if chosen else 0):  # interleaved, best of: a shared machine's load hits every mode
+        for name, (cfg, rows, width) in chosen.items():
             r = run(model, batch, cfg, device, rows, width)
             if name not in results or r["seconds"] < results[name]["seconds"]:
                 results[name] = r
@@ -253,27 +296,36 @@ def main() -> None:
     if device.type == "cuda":
         header += f" {'MFU':>6}"
     print(header)
-    first = next(iter(results.values()))
-    base = first["real"] / first["seconds"]
+    base = next((r["real"] / r["seconds"] for r in results.values()), 1.0)
     for name, r in results.items():
         tps = r["real"] / r["seconds"]
         line = (f"{name:<28} {r['rows']:>5} {r['real']:>9} {r['computed']:>9} {r['real'] / r['computed']:>10.1%} "
                 f"{tps:>9.0f} {tps / base:>7.2f}x")
         if device.type == "cuda":
-            line += f" {6 * n_params * tps / (args.peak_tflops * 1e12):>6.1%}"
+            line += f" {mfu(n_params, tps, args.peak_tflops):>6.1%}"
         print(line)
+    if "tree" not in modes:
+        return
     shapes = trace_shapes(args.traces)
-    trees, scale = make_trees(shapes, args.episodes, args.row_tokens, args.vocab, rng)
+    trees, scale = make_trees(shapes, args.episodes, args.row_tokens, config.vocab_size, rng)
     print(f"traces: {len(shapes)} episodes, first prompt {min(s.prompt for s in shapes)}-"
           f"{max(s.prompt for s in shapes)} tokens (shared with another session {min(s.shared for s in shapes)}-"
           f"{max(s.shared for s in shapes)}), {min(len(s.turns) for s in shapes)}-"
           f"{max(len(s.turns) for s in shapes)} calls; lengths scaled x{scale:.3f} to fit rows")
-    compare_tree(model, trees, packed, device, args.repeats)
+    compare_tree(model, trees, packed, device, args.repeats, n_params, args.peak_tflops)
 
 
-def compare_tree(model, batch: list[Sample], packed: TrainConfig, device, repeats: int) -> None:
-    """Packed chains vs tree mode on branched episodes; the last line is the comparison."""
-    tree = TrainConfig(row_tokens=packed.row_tokens, step_tokens=packed.step_tokens, tree=True)
+def mfu(n_params: int, tokens_per_s: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: 6 x params FLOPs per token (forward and backward) against the device's peak."""
+    return 6 * n_params * tokens_per_s / (peak_tflops * 1e12)
+
+
+def compare_tree(model, batch: list[Sample], packed: TrainConfig, device, repeats: int, n_params: int,
+                 peak_tflops: float) -> None:
+    """Packed chains vs tree mode on branched episodes; the last line is the comparison. MFU counts the tokens
+    each mode computed (a tree's shared prefix once)."""
+    tree = TrainConfig(row_tokens=packed.row_tokens, step_tokens=packed.step_tokens, tree=True,
+                       precision=packed.precision)
     leaves = np.bincount(np.unique([s.episode_id for s in batch], return_inverse=True)[1])
     print(f"tree corpus: {len(leaves)} episodes, {len(batch)} samples ({leaves.min()}-{leaves.max()} leaves per "
           f"episode), {sum(len(s) for s in batch)} tokens")
@@ -284,9 +336,13 @@ def compare_tree(model, batch: list[Sample], packed: TrainConfig, device, repeat
                         ("tree", run_tree(model, batch, tree, device))):
             if name not in best or r["seconds"] < best[name]["seconds"]:
                 best[name] = r
-    print(f"{'mode':<28} {'rows':>5} {'real tok':>9} {'computed':>9} {'tok/s':>9}")
+    print(f"{'mode':<28} {'rows':>5} {'real tok':>9} {'computed':>9} {'tok/s':>9}"
+          + (f" {'MFU':>6}" if device.type == "cuda" else ""))
     for name, r in best.items():
-        print(f"{name:<28} {r['rows']:>5} {r['real']:>9} {r['computed']:>9} {r['real'] / r['seconds']:>9.0f}")
+        line = f"{name:<28} {r['rows']:>5} {r['real']:>9} {r['computed']:>9} {r['real'] / r['seconds']:>9.0f}"
+        if device.type == "cuda":
+            line += f" {mfu(n_params, r['computed'] / r['seconds'], peak_tflops):>6.1%}"
+        print(line)
     chains, trees = best["packed chains"], best["tree"]
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     print(f"tree vs chains: computed_tokens x{chains['computed'] / trees['computed']:.2f} "

@@ -18,6 +18,7 @@ class ConfigError(ValueError):
 OBJECTIVES = ("ppo", "sft")  # `openforge train --objective` offers these
 GROUP_FILTERS = ("none", "dynamic")
 ATTENTIONS = ("auto", "sdpa", "flex", "flash")  # trainer/attention.py: `choose_attention`
+PRECISIONS = ("auto", "fp32", "bf16-autocast", "bf16")  # docs/trainer.md, Precision
 
 
 @dataclass
@@ -66,6 +67,10 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    precision: str = "auto"           # auto (fp32 on CPU, bf16-autocast on CUDA) | fp32 | bf16-autocast (fp32
+                                      # weights, bf16 matmuls) | bf16 (bf16 weights in forward/backward, the
+                                      # fp32 master copy in the optimizer and the checkpoints)
+    compile: bool = False             # torch.compile each transformer block; eager, with a warning, if it fails
     logit_chunk: int = 1024           # trainable positions projected onto the vocabulary at a time, each
                                       # chunk recomputed in backward; 0 = all at once (more memory)
 
@@ -87,6 +92,8 @@ class TrainConfig:
             raise ConfigError(
                 f"aggregation must be token-mean, seq-mean or episode-mean, not {self.aggregation!r}"
             )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be {', '.join(PRECISIONS)}, not {self.precision!r}")
         for name, (ok, wanted) in RANGES.items():
             value = getattr(self, name)
             if not (all(math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))) and ok(value)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,13 +93,49 @@ def check_vocab(model_path: str, sample_vocabs: list[tuple[int, str]]) -> int:
     return rows
 
 
-def shard_model(model: torch.nn.Module, device: torch.device) -> None:
-    """FSDP2: each transformer block (a vision-language model's vision blocks too), then the root. bf16
-    compute on CUDA, fp32 gradient reduction."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
+def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
+    """The precision a run trains in (`TrainConfig.precision` with auto resolved for the device), and why."""
+    if setting != "auto":
+        return setting, "set in the config"
+    if device.type == "cuda":
+        return "bf16-autocast", "auto on CUDA: fp32 weights, bf16 matmuls under autocast"
+    return "fp32", "auto on CPU: exact fp32, the reference the tests compare against"
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks (a vision-language model's vision blocks too): the units FSDP2 shards and
+    torch.compile compiles."""
     block_types = tuple(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if type(module).__name__ in block_types:
-            fully_shard(module, mp_policy=mp)
+    return [module for module in model.modules() if type(module).__name__ in block_types]
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, precision: str = "auto") -> None:
+    """FSDP2: each transformer block, then the root; the sharded parameters stay fp32 (the optimizer's master
+    copy), gathered as bf16 for compute unless the precision is fp32; gradients reduced in fp32.
+
+    One rank with precision bf16 is sharded too: FSDP2's MixedPrecisionPolicy is the least code that keeps
+    bf16 weights for forward/backward and fp32 ones in the optimizer and in `get_model_state_dict`
+    (checkpoints), the same path several ranks take."""
+    fp32 = resolve_precision(precision, device)[0] == "fp32"
+    mp = MixedPrecisionPolicy() if fp32 else MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                   reduce_dtype=torch.float32)
+    for module in transformer_blocks(model):
+        fully_shard(module, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+
+
+def compile_blocks(model: torch.nn.Module, device: torch.device, say: Callable[[str], None]) -> bool:
+    """torch.compile each transformer block's forward (FSDP2's hooks around it stay eager; the state dict's
+    names do not change). Compilation is lazy, so a small forward and backward is compiled on `device` first:
+    where that fails (no C compiler, no Triton) the model stays eager and one warning line says why."""
+    try:
+        probe = torch.compile(lambda x: (x * 2).sin())
+        probe(torch.ones(4, device=device, requires_grad=True)).sum().backward()
+    except Exception as e:  # noqa: BLE001  (any failure means: train eager)
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        say(f"warning: compile = true, but torch.compile fails on {device.type} "
+            f"({type(e).__name__}: {reason}); training uncompiled")
+        return False
+    for block in transformer_blocks(model):
+        block.forward = torch.compile(block.forward)
+    return True

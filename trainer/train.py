@@ -28,22 +28,25 @@ from openforge.trainer.attention import choose_attention, to_device
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
-from openforge.trainer.model import check_vocab, load_model, shard_model, vl_config
+from openforge.trainer.model import check_vocab, compile_blocks, load_model, resolve_precision, shard_model, vl_config
 from openforge.trainer.packing import MRope, Row, coefficients, make_row, plan_rows, rank_share
 from openforge.trainer.proximal import ProximalLogprobs, Sources, target_sources
 from openforge.trainer.tree import TreeChoice
 from openforge.trainer.vision import attach_pixels, check_pixels, idle_sample, mrope
 
 
-def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's log-probs of the row's trainable targets and its entropy there (`target_logprobs`), bf16
-    autocast on CUDA.
+def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int, precision: str = "auto"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's log-probs of the row's trainable targets and its entropy there (`target_logprobs`), under
+    bf16 autocast when the precision is bf16-autocast (auto on CUDA).
 
     The whole model runs (FSDP2 gathers the root's parameters in its forward) but projects nothing onto the
     vocabulary: its final hidden states go to the LM head `chunk` positions at a time.
     """
     positions = logit_positions(row)
-    autocast = torch.autocast("cuda", torch.bfloat16) if row.input_ids.is_cuda else contextlib.nullcontext()
+    device = row.input_ids.device
+    autocast = torch.autocast(device.type, torch.bfloat16) \
+        if resolve_precision(precision, device)[0] == "bf16-autocast" else contextlib.nullcontext()
     with autocast:
         # use_cache=False matters: with a cache, transformers ignores restarting position ids (no packing mask)
         out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
@@ -56,16 +59,17 @@ def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.
                  old_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One forward pass of a row and its loss (the reference model runs without grad); `old_logp` from
     `old_logprobs`, or None to use the engine's logprobs as the old policy."""
-    logp, entropy = policy_logprobs(model, row, cfg.logit_chunk)
+    logp, entropy = policy_logprobs(model, row, cfg.logit_chunk, cfg.precision)
     with torch.no_grad():
-        ref_logp = policy_logprobs(ref, row, cfg.logit_chunk)[0] if ref is not None else None
+        ref_logp = policy_logprobs(ref, row, cfg.logit_chunk, cfg.precision)[0] if ref is not None else None
     return row_loss(logp, entropy, row, cfg, ref_logp, old_logp)
 
 
 @torch.no_grad()
-def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logit_chunk) -> torch.Tensor:
+def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logit_chunk,
+                 precision: str = "auto") -> torch.Tensor:
     """PPO's old (proximal) policy: the model's logprobs of the row's trainable targets, without grad."""
-    return policy_logprobs(model, row, chunk)[0]
+    return policy_logprobs(model, row, chunk, precision)[0]
 
 
 def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterator[tuple[list[Sample], Position]],
@@ -84,7 +88,7 @@ def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterato
         sources = row_sources(share, ones, cfg, idle)
         for i in range(reduce_max(len(mine), device)):
             row = mine[i] if i < len(mine) else make_row([idle] if idle else [], ones, cfg.packing, rope)
-            logp = old_logprobs(model, to_device(row, model, device, cfg.row_tokens), cfg.logit_chunk)
+            logp = old_logprobs(model, to_device(row, model, device, cfg.row_tokens), cfg.logit_chunk, cfg.precision)
             if i < len(mine):
                 store.put(share, sources[i], logp)
     if store.missing():
@@ -186,8 +190,15 @@ class Trainer:
         if cfg.kl_coef > 0:
             self.ref = load_model(cfg.ref_model or cfg.model, self.device, attention=attention).eval()
             self.ref.requires_grad_(False)
-        if self.world_size > 1:
-            shard_model(self.model, self.device)
+        self.precision, why = resolve_precision(cfg.precision, self.device)
+        self.say(f"precision {self.precision}: {why}")
+        self.own_group = self.precision == "bf16" and not dist.is_initialized()
+        if self.own_group:  # FSDP2 keeps bf16 weights apart from the fp32 master copy; it needs a group, of one
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        if self.world_size > 1 or self.precision == "bf16":
+            shard_model(self.model, self.device, self.precision)
+        if cfg.compile:
+            compile_blocks(self.model, self.device, self.say)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.end = 1  # the step the current pass ends at: the cosine schedule's last step
@@ -318,7 +329,7 @@ class Trainer:
         return checkpoint.full_weights(self.model, self.step)
 
     def close(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if (self.world_size > 1 or self.own_group) and dist.is_initialized():
             dist.destroy_process_group()
 
 
