@@ -10,7 +10,9 @@ its rl.jsonl. Inside that process the trainer's and the publisher's parts are ti
 functions that load, restore, save, gather and export, and the step seconds metrics.jsonl records), so each
 iteration's train and publish stages split into training steps and everything else. `--variant` (repeat
 it) runs the demo once per variant in each round, with those `openforge rl --set` settings on top of the
-demo's, and ends with the variants side by side. Prints a table per run and the totals.
+demo's, and ends with the variants side by side. `--baseline-root DIR` adds one more: the demo of another
+checkout (DIR, e.g. `git worktree add /tmp/old <commit>`), its package first on the path; the parts it does
+not have are not timed. Prints a table per run and the totals.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ TIMED = {
     ("openforge.trainer.checkpoint", "save"): "checkpoint save",
     ("openforge.trainer.checkpoint", "full_weights"): "weights gather",
     ("openforge.gguf_export", "export_gguf"): "GGUF export",
+    ("openforge.rl.loop", "check_checkpoint"): "checkpoint check",  # the loop before the resident trainer
 }
 OVERHEAD = ("model load", "optimizer state load", "state restore", "checkpoint save")
-PUBLISH_PARTS = ("weights gather", "GGUF export")
+PUBLISH_PARTS = ("checkpoint check", "weights gather", "GGUF export")
 
 
 def traced(label: str, fn: Callable[..., Any], trace: Path) -> Callable[..., Any]:
@@ -60,8 +63,8 @@ def traced(label: str, fn: Callable[..., Any], trace: Path) -> Callable[..., Any
 
 
 def child(trace: Path, sets: list[str], demo_args: list[str]) -> None:
-    """The demo in this process, the TIMED functions wrapped (each looked up at call time by its caller), the
-    `sets` (k=v) on top of the demo's settings."""
+    """The demo in this process, the TIMED functions it has wrapped (each looked up at call time by its
+    caller), the `sets` (k=v) on top of the demo's settings."""
     import importlib
 
     for (module, name), label in TIMED.items():
@@ -69,7 +72,8 @@ def child(trace: Path, sets: list[str], demo_args: list[str]) -> None:
         *path, attr = name.split(".")
         for part in path:
             owner = getattr(owner, part)
-        setattr(owner, attr, traced(label, getattr(owner, attr), trace))
+        if hasattr(owner, attr):  # an older checkout (--baseline-root) lacks some
+            setattr(owner, attr, traced(label, getattr(owner, attr), trace))
     import openforge.demo
     from openforge.cli import app
 
@@ -118,13 +122,13 @@ def split_iterations(out: Path, trace: Path) -> list[dict[str, float]]:
     return rows
 
 
-def one_run(sets: list[str], args: list[str]) -> tuple[bool, float, list[dict[str, float]], str]:
+def one_run(sets: list[str], root: Path, args: list[str]) -> tuple[bool, float, list[dict[str, float]], str]:
+    """One demo of the checkout at `root`, in a fresh process and output directory."""
     tmp = Path(tempfile.mkdtemp(prefix="openforge-rl-bench-"))
     out, trace = tmp / "demo", tmp / "trace.jsonl"
     started = time.monotonic()
     try:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
-                                                                          os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         done = subprocess.run([sys.executable, __file__, "--child", str(trace), json.dumps(sets), "--", "--out",
                                str(out), *args],
                               capture_output=True, text=True, env=env)
@@ -181,13 +185,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--variant", action="append", default=None,
                         help="space-separated k=v settings of `openforge rl --set` (repeat: side by side; '' = none)")
+    parser.add_argument("--baseline-root", type=Path, default=None,
+                        help="another checkout whose demo runs beside (with the demo's settings)")
     parser.add_argument("demo_args", nargs="*", help="arguments for `openforge demo` (after --)")
     opts = parser.parse_args()
-    variants = [v.split() for v in opts.variant] if opts.variant else [[]]
-    passed, walls, side = 0, [], {" ".join(v) or "(the demo's settings)": [] for v in variants}
+    here = Path(__file__).resolve().parent.parent
+    variants = [(" ".join(v.split()) or "(the demo's settings)", v.split(), here) for v in opts.variant or [""]]
+    if opts.baseline_root:
+        root = opts.baseline_root.resolve()
+        if not (root / "openforge" / "rl" / "loop.py").is_file():
+            parser.error(f"--baseline-root {root}: not an openforge checkout (no openforge/rl/loop.py)")
+        variants.insert(0, (f"baseline {root}", [], root))
+    passed, walls, side = 0, [], {name: [] for name, _, _ in variants}
     for i in range(opts.runs):
-        for sets, name in zip(variants, side):
-            ok, wall, rows, why = one_run(sets, opts.demo_args)
+        for name, sets, root in variants:
+            ok, wall, rows, why = one_run(sets, root, opts.demo_args)
             passed += ok
             walls.append(wall)
             side[name] += rows
