@@ -25,7 +25,7 @@ def db(tmp_path_factory) -> Path:
 def run(db: Path, tiny_qwen_dir: Path, out: Path, **kw) -> list[dict]:
     """Several steps on the same selection at a rate that moves the tiny model far in one step."""
     values = dict(db=str(db), model=str(tiny_qwen_dir), out=str(out), step_tokens=4096, row_tokens=512, lr=5e-2,
-                  min_lr_ratio=1.0, steps=3, grad_clip=100.0, progress=False) | kw
+                  min_lr_ratio=1.0, steps=3, grad_clip=100.0, progress=False, device="cpu") | kw
     train(load_config(None, values), say=lambda _: None)
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -50,7 +50,7 @@ def test_two_gloo_ranks_compute_the_proximal_policy_of_their_own_shares(db, tiny
     one = run(db, tiny_qwen_dir, tmp_path / "one", step_tokens=160, row_tokens=160, steps=0, epochs=2)
     cfg = load_config(None, dict(db=str(db), model=str(tiny_qwen_dir), out=str(tmp_path / "two"), step_tokens=160,
                                  row_tokens=160, lr=5e-2, min_lr_ratio=1.0, epochs=2, grad_clip=100.0,
-                                 progress=False))
+                                 progress=False, device="cpu"))
     train_on_ranks(cfg, world_size=2)
     two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert len(one) == len(two)

@@ -38,7 +38,7 @@ def setup(tmp_path_factory, tiny_qwen_dir):
 def config(setup, out: str, **kw):
     base, model, db, _ = setup
     values = dict(db=str(db), model=str(model), out=str(base / out), step_tokens=160, row_tokens=160,
-                  lr=3e-3, steps=2, progress=False) | kw
+                  lr=3e-3, steps=2, progress=False, device="cpu") | kw
     return load_config(None, values)
 
 

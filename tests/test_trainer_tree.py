@@ -169,8 +169,8 @@ def test_tree_order_reads_episodes_together(tree_db):
 
 
 def tree_config(tree_db: Path, tiny_qwen_dir: Path, out: str, **kw) -> TrainConfig:
-    values = dict(db=str(tree_db), model=str(tiny_qwen_dir), out=str(tree_db.parent / out), lr=3e-3,
-                  row_tokens=256, step_tokens=4096, steps=1, shuffle=False, tree=True, progress=False) | kw
+    values = dict(db=str(tree_db), model=str(tiny_qwen_dir), out=str(tree_db.parent / out), lr=3e-3, row_tokens=256,
+                  step_tokens=4096, steps=1, shuffle=False, tree=True, progress=False, device="cpu") | kw
     return load_config(None, values)
 
 

@@ -157,7 +157,7 @@ def test_mrope_positions_restart_per_packed_sample(setup, packed_vs_single):
 def config(setup, out: str, db: Path | None = None, **kw):
     base, model, default_db = setup
     values = dict(db=str(db or default_db), model=str(model), out=str(base / out), step_tokens=160,
-                  row_tokens=160, lr=3e-3, steps=2, progress=False, shuffle=False) | kw
+                  row_tokens=160, lr=3e-3, steps=2, progress=False, shuffle=False, device="cpu") | kw
     return load_config(None, values)
 
 

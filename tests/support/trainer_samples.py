@@ -83,11 +83,14 @@ def train_on_ranks(cfg, world_size: int) -> None:
 
     The ranks fork from a forkserver, never from the test process: a fork of a process whose OpenMP,
     DuckDB and gloo threads are running can crash the child (a rank died of SIGSEGV that way). The
-    server imports the trainer once per session, so each rank still starts warm."""
+    server imports the trainer once per session, so each rank still starts warm. The ranks run on CPU
+    (`cfg.device` must say so): a one-GPU machine has no device for a second rank, and what the comparisons
+    check (sharding, the ranks' shares, the collectives) does not depend on the device."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
+    assert cfg.device == "cpu", "the runs train_on_ranks is compared with must run on CPU too"
     multiprocessing.set_forkserver_preload([__name__, "openforge.trainer.train"])
     mp.start_processes(_rank, args=(world_size, free_port(), cfg), nprocs=world_size,
                        start_method="forkserver")
