@@ -1,6 +1,6 @@
 """`openforge tasks calibrate` through a real proxy in front of the scripted engine, with a scripted agent whose
 success is known per attempt: pass rates, the band filter, the metadata written, and failures that are not
-the policy's left out; and the band logic `openforge rl` re-calibrates with (tests/test_rl_loop.py runs it).
+the policy's left out; and `openforge rl`'s re-calibration with the same band logic (stub stages, no engine).
 
 The agent (a custom adapter) makes one call through the proxy, then reads its prompt `pass 1,3` (or
 `crash 2`) and its episode id (which ends in the attempt number): it writes `ok` on the attempts listed, or
