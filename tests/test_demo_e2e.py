@@ -67,6 +67,8 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
     if published:  # the newest policy the loop published is what the engine serves at the end
         served = out / "policies" / f"policy-{published[-1]:04d}.gguf"
         assert lines[-1]["served"] == str(served) and served.stat().st_size > 200_000_000
+    else:  # policy 0 throughout: the starting GGUF's f16 export, which the engine was given
+        assert lines[-1]["served"].endswith(".f16.gguf"), lines[-1]["served"]
 
     # flow files -> DuckDB: engine token ids, rewards, GRPO advantages, the policy version of every call
     con = duckdb.connect(str(out / "rl.duckdb"), read_only=True)

@@ -37,6 +37,7 @@ class FakePolicy:
     def __init__(self, log: list[Any], health: list[bool] | None = None, restart_fails: bool = False) -> None:
         self.log, self.health, self.restart_fails = log, health or [], restart_fails
         self.published: list[Any] = []
+        self.served = Path("/cache/start.f16.gguf")  # policy 0: the starting GGUF's f16 export
 
     def alive(self) -> bool:
         return self.health.pop(0) if self.health else True
@@ -48,7 +49,8 @@ class FakePolicy:
 
     def publish(self, weights: Any, version: int, out: Path) -> Path:
         self.published.append(weights)
-        return out / f"policy-{version:04d}.gguf"
+        self.served = out / f"policy-{version:04d}.gguf"
+        return self.served
 
 
 class FakeControl:
@@ -254,6 +256,9 @@ def test_an_iteration_that_trained_nothing_publishes_the_same_weights_again(tmp_
         run.publish(0)
     assert run.fake_policy.published == [] and run.state.served == "" and run.state.version == 1
     assert run.control.calls == [("pause", 300.0), ("resume", 1)]  # type: ignore[union-attr]
+    # what the engine serves is named, not the quantised GGUF the run started from
+    assert run.serving() == "/cache/start.f16.gguf" and "/cache/start.f16.gguf" in run.text.getvalue()
+    assert str(run.start_weights) not in run.text.getvalue()
 
 
 def test_steps_a_kill_lost_are_trained_again_before_publishing(tmp_path: Path) -> None:

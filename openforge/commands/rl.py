@@ -124,4 +124,4 @@ def rl(
     console.print(results_table(lines, read_lines(run.eval_path)))
     evaluated = f", evaluations: {run.eval_path}" if run.eval_path.is_file() else ""
     console.print(f"rl.jsonl: {out / 'rl.jsonl'}{evaluated}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
-                  f"served now: {run.state.served or run.start_weights}")
+                  f"served last: {run.serving()}")

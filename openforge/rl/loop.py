@@ -765,8 +765,15 @@ class RLRun:
                 shutil.rmtree(old)
             else:
                 old.unlink()
-        self.console.print(f"  published {s.served or self.start_weights} as policy version {i + 1} "
-                           f"(proxy paused {paused:.1f} s)")
+        if self.trained():
+            self.console.print(f"  published {s.served} as policy version {i + 1} (proxy paused {paused:.1f} s)")
+        else:
+            self.console.print(f"  policy version {i + 1} is the same weights: {self.serving()}")
+
+    def serving(self) -> str:
+        """What the engine serves now, as the engine was given it (policy 0 of llama.cpp: the starting
+        GGUF's f16 export, not the quantised file `engine.gguf` names)."""
+        return str(self.policy.served) if self.policy is not None else self.state.served or str(self.start_weights)
 
     # -- reporting -------------------------------------------------------------------------------------------
     def summary_line(self, i: int) -> dict[str, Any]:
@@ -806,7 +813,7 @@ class RLRun:
             "reward_mismatches": mismatches,
             "trained_on": source if self.trained() else None,
             "staleness": {"max": stale_max, "mean": None if stale_mean is None else round(stale_mean, 6)},
-            "checkpoint": self.state.checkpoint or None, "served": self.state.served or str(self.start_weights),
+            "checkpoint": self.state.checkpoint or None, "served": self.serving(),
             "seconds": dict(self.state.seconds),
             "eval": next((x for x in read_lines(self.eval_path) if x["policy_version"] == i), None),
         }
