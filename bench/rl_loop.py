@@ -4,6 +4,7 @@ does each take, where does the time go, and the peak memory of its largest proce
     .venv/bin/python bench/rl_loop.py --runs 3                 # the demo's defaults, 3 times
     .venv/bin/python bench/rl_loop.py --runs 1 -- --iterations 2 --tasks 2 --attempts 2 --steps 1
     .venv/bin/python bench/rl_loop.py --runs 1 --variant "" --variant loop.checkpoint_every=1 -- --iterations 3
+    .venv/bin/python bench/rl_loop.py --runs 1 --baseline-root /tmp/old --variant "" --variant loop.mode=async
 
 Each run is `openforge demo --out <temp dir> [args]` in a fresh process; the per-stage seconds come from
 its rl.jsonl. Inside that process the trainer's and the publisher's parts are timed (wrappers around the
