@@ -24,6 +24,7 @@ import torch
 
 from openforge.models import hf_dir
 from openforge.trainer.allocator import return_freed_memory
+from openforge.trainer.attention import choose_attention, to_device
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
 from openforge.trainer.model import load_model
@@ -40,14 +41,16 @@ def one_step(model_dir: str, row_tokens: int, logit_chunk: int, grad_checkpointi
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if allocator:
         return_freed_memory()
-    model = load_model(model_dir, device, grad_checkpointing)
+    attention = choose_attention("auto", device, False, False)[0]  # the trainer's own choice for chain rows
+    model = load_model(model_dir, device, grad_checkpointing, attention)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rng = np.random.default_rng(0)
     mask = np.arange(row_tokens) >= row_tokens // 3
     sample = Sample("s0", "e0", rng.integers(0, model.config.vocab_size, row_tokens), mask,
                     np.where(mask, -1.0, np.nan).astype(np.float32), 1.0, 1.0, 1.0)
     cfg = TrainConfig(logit_chunk=logit_chunk, grad_checkpointing=grad_checkpointing)
-    row = make_row([sample], coefficients([sample], cfg.aggregation), cfg.packing).to(device)
+    row = to_device(make_row([sample], coefficients([sample], cfg.aggregation), cfg.packing), model, device,
+                    row_tokens)
     start = time.perf_counter()
     old = old_logprobs(model, row, cfg.logit_chunk)
     loss, _ = forward_loss(model, row, cfg, old_logp=old)
