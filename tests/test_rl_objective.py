@@ -114,3 +114,20 @@ def test_the_loop_warms_up_by_default():
     assert cfg.warmup_steps > 0 and cfg.min_lr_ratio == 1.0
     factors = [lr_factor(s, cfg, 10 * cfg.warmup_steps) for s in range(cfg.warmup_steps + 2)]
     assert factors[0] < 1.0 and factors == sorted(factors) and factors[-1] == factors[-2] == 1.0
+
+
+# --- precision -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("native", "sets", "expected"), [
+    (True, {}, "bf16-autocast"),  # AVX512-BF16 / AMX: bf16 matmuls are native, several times faster
+    (False, {}, "auto"),  # the trainer's own choice: fp32 on CPU
+    (True, {"train.precision": "fp32"}, "fp32"),  # what the user set stays
+])
+def test_the_trainer_config_says_the_precision_the_loop_trains_in(tmp_path, monkeypatch, native, sets, expected):
+    """The loop's CPU precision is the trainer's `precision` setting, so the trainer's log line says what runs."""
+    import openforge.rl.loop as loop
+
+    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: native)
+    run = Run(tmp_path / "run", [], sets={"train.device": "cpu", **sets})
+    run._base_model = tmp_path / "model"  # the starting weights, never converted here
+    assert run.trainer_config().precision == expected

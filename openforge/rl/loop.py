@@ -71,6 +71,7 @@ from openforge.taskforge.calibrate import out_of_band, parse_band, pass_rates
 from openforge.tracking import TrackerError, Trackers
 
 if TYPE_CHECKING:
+    from openforge.trainer.config import TrainConfig
     from openforge.trainer.train import Selection, Trainer
 
 STAGES = ("eval", "rollout", "reconstruct", "train", "publish", "record")  # record: the rl.jsonl line, then i + 1
@@ -574,12 +575,21 @@ class RLRun:
         if self.trainer is None:
             from openforge.trainer.train import Trainer
 
-            cfg = self.cfg.train_config(str(self.db), str(self.base_model), str(self.train_out), "")
-            if self.cfg.loop.mode == "async":  # its steps print as lines: the rollout's progress bar is on screen
-                cfg = dataclasses.replace(cfg, progress=False)
             with self.console.status("loading the trainer"):
-                self.trainer = Trainer(cfg, resume=True, say=lambda m: self.console.print(f"  {m}"))
+                self.trainer = Trainer(self.trainer_config(), resume=True, say=lambda m: self.console.print(f"  {m}"))
         return self.trainer
+
+    def trainer_config(self) -> TrainConfig:
+        """The resident trainer's settings: [train] over the loop's defaults. On a CPU with native bf16 matmuls
+        (AVX512-BF16, AMX) `precision = "auto"` is bf16-autocast, several times faster there than fp32; in async
+        mode the steps print as lines (the rollout's progress bar is on screen)."""
+        import torch
+
+        cfg = self.cfg.train_config(str(self.db), str(self.base_model), str(self.train_out), "")
+        cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+        if cfg.precision == "auto" and cpu and cpu_has_bf16():
+            cfg = dataclasses.replace(cfg, precision="bf16-autocast")
+        return dataclasses.replace(cfg, progress=False) if self.cfg.loop.mode == "async" else cfg
 
     def close_trainer(self) -> None:
         """At the end of the run, however it ends: steps only memory holds are written as a checkpoint, so
@@ -666,20 +676,14 @@ class RLRun:
         return selection
 
     def fit(self, selection: Selection) -> None:
-        """The pass's steps (bf16 autocast on a CPU that has it; CUDA autocasts itself); a stop between
-        steps (Ctrl-C, `Trainer.stop`) leaves the trainer there, saved when the run ends."""
-        import torch
-
+        """The pass's steps; a stop between steps (Ctrl-C, `Trainer.stop`) leaves the trainer there, saved
+        when the run ends."""
         from openforge.trainer.data import DataError
 
         s, trainer = self.state, self.resident_trainer()
-        cfg = trainer.cfg
-        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        bf16 = not cuda and cpu_has_bf16()
         try:
-            with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                trainer.fit(selection, s.train_end_step, restart=trainer.step == s.train_start_step,
-                            on_step=lambda record: self.track("train", record, int(record["step"])))
+            trainer.fit(selection, s.train_end_step, restart=trainer.step == s.train_start_step,
+                        on_step=lambda record: self.track("train", record, int(record["step"])))
         except DataError as e:
             raise RLError(f"training refused: {e}") from None
 
