@@ -46,7 +46,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
-from openforge.trainer.model import compile_blocks, shard_model
+from openforge.trainer.model import prepare_model
 from openforge.trainer.packing import Row, coefficients, make_row, plan_rows
 from openforge.trainer.train import forward_loss
 from openforge.trainer.tree import tree_rows
@@ -74,14 +74,7 @@ def device_model(config: Qwen3Config, device: torch.device, precision: str, comp
     blocks."""
     with torch.device(device):
         model = Qwen3ForCausalLM(config).train()
-    if precision == "bf16":
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
-        shard_model(model, device, precision)
-    if compile:
-        compile_blocks(model, device, print)
+    prepare_model(model, device, precision, 1, compile, print)
     return model
 
 

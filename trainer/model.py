@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -122,6 +123,21 @@ def shard_model(model: torch.nn.Module, device: torch.device, precision: str = "
     for module in transformer_blocks(model):
         fully_shard(module, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+
+
+def prepare_model(model: torch.nn.Module, device: torch.device, precision: str, world_size: int, compile: bool,
+                  say: Callable[[str], None]) -> bool:
+    """Shard the model (several ranks, or precision bf16 on one) and compile its blocks when asked; True when
+    this made the process group (one rank, bf16: FSDP2 needs a group, of one), which the caller destroys."""
+    own_group = precision == "bf16" and not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    if world_size > 1 or precision == "bf16":
+        shard_model(model, device, precision)
+    if compile:
+        compile_blocks(model, device, say)
+    return own_group
 
 
 def compile_blocks(model: torch.nn.Module, device: torch.device, say: Callable[[str], None]) -> bool:

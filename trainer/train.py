@@ -28,7 +28,7 @@ from openforge.trainer.attention import choose_attention, to_device
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
-from openforge.trainer.model import check_vocab, compile_blocks, load_model, resolve_precision, shard_model, vl_config
+from openforge.trainer.model import check_vocab, load_model, prepare_model, resolve_precision, vl_config
 from openforge.trainer.packing import MRope, Row, coefficients, make_row, plan_rows, rank_share
 from openforge.trainer.proximal import ProximalLogprobs, Sources, target_sources
 from openforge.trainer.tree import TreeChoice
@@ -192,13 +192,7 @@ class Trainer:
             self.ref.requires_grad_(False)
         self.precision, why = resolve_precision(cfg.precision, self.device)
         self.say(f"precision {self.precision}: {why}")
-        self.own_group = self.precision == "bf16" and not dist.is_initialized()
-        if self.own_group:  # FSDP2 keeps bf16 weights apart from the fp32 master copy; it needs a group, of one
-            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-        if self.world_size > 1 or self.precision == "bf16":
-            shard_model(self.model, self.device, self.precision)
-        if cfg.compile:
-            compile_blocks(self.model, self.device, self.say)
+        self.own_group = prepare_model(self.model, self.device, self.precision, self.world_size, cfg.compile, self.say)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.end = 1  # the step the current pass ends at: the cosine schedule's last step
