@@ -268,9 +268,9 @@ def test_every_column_is_written(tmp_path, retok):
     columns = db_rows(db, "SELECT table_name t, column_name c FROM information_schema.columns ORDER BY ALL")
     unwritten = [f"{r['t']}.{r['c']}" for r in columns
                  if db_rows(db, f'SELECT count("{r["c"]}") n FROM "{r["t"]}"')[0]["n"] == 0]
-    vision = [c for c in unwritten if c.split(".")[0] in ("call_images", "images", "sample_images", "rl_episodes",
-                                                          "rl_reward_mismatches")]
-    assert [c for c in unwritten if c not in vision] == ["call_tokens.messages", "samples.processor"]
+    elsewhere = [c for c in unwritten if c.split(".")[0] in ("call_images", "images", "sample_images", "rl_episodes",
+                                                             "rl_reward_mismatches")]
+    assert [c for c in unwritten if c not in elsewhere] == ["call_tokens.messages", "samples.processor"]
 
 
 def test_flow_file_of_another_version_is_a_corrupt_file_not_an_unreadable_one(tmp_path, retok):
