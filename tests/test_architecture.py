@@ -14,6 +14,8 @@ FORBIDDEN = {
     # the proxy runs beside any mitmproxy without the training stack
     "openforge.addons.proxy": ["torch", "duckdb", "transformers", "numpy", "openforge.reconstruct",
                                "openforge.trainer"],
+    # the DuckDB contract's reader: duckdb, pyarrow and numpy, no training stack, no writer
+    "openforge.samples": ["torch", "transformers", "mitmproxy", "openforge.reconstruct", "openforge.trainer"],
     # the trainer reads DuckDB samples, never the proxy
     "openforge.trainer.train": ["mitmproxy", "openforge.addons.proxy"],
 }

@@ -16,6 +16,7 @@ from openforge.reconstruct import Summary, protocols, reconstruct, store
 from openforge.reconstruct.ingest import Ingest
 from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
 from openforge.reconstruct.protocols import RawIds
+from openforge.samples import SCHEMA_VERSION
 from tests.support.reconstruct_flows import FlowFactory, db_rows
 
 SAMPLES = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"
@@ -227,7 +228,7 @@ def test_older_schema_databases_are_migrated(tmp_path, retok, version):
     run(old, tmp_path / "second", retok)
     for flows in ("first", "second"):
         run(tmp_path / "fresh.duckdb", tmp_path / flows, retok)
-    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": store.SCHEMA_VERSION}]
+    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": SCHEMA_VERSION}]
     tables = "SELECT table_name, column_name FROM information_schema.columns ORDER BY ALL"
     assert db_rows(old, tables) == db_rows(tmp_path / "fresh.duckdb", tables)
     a, b = (json.dumps(db_rows(tmp_path / n, SAMPLES), default=str) for n in ("old.duckdb", "fresh.duckdb"))
