@@ -38,7 +38,7 @@ def connect(path: str | Path, read_only: bool = True) -> duckdb.DuckDBPyConnecti
     """A connection to a reconstruct database of this schema version. Another file, or another version, is
     refused with what to run instead (`openforge reconstruct` migrates an older database in place): every
     query of a reader names this version's columns."""
-    if read_only and not Path(path).is_file():
+    if not Path(path).is_file():  # never create one: a reader of a missing file is a wrong path
         raise SchemaError(f"no database at {path}")
     try:
         con = duckdb.connect(str(path), read_only=read_only)
@@ -59,7 +59,7 @@ def connect(path: str | Path, read_only: bool = True) -> duckdb.DuckDBPyConnecti
     return con
 
 
-def literal(value: str) -> str:
+def _literal(value: str) -> str:
     """`value` as an SQL string literal."""
     return "'" + value.replace("'", "''") + "'"
 
@@ -90,7 +90,7 @@ class Selection:
             terms.append(f"episode_id IN (SELECT episode_id FROM rl_episodes WHERE iteration BETWEEN {int(lo)} "
                          f"AND {int(hi)}) AND episode_id NOT IN (SELECT episode_id FROM rl_reward_mismatches)")
         if self.episodes is not None:
-            ids = ", ".join(literal(e) for e in self.episodes)
+            ids = ", ".join(_literal(e) for e in self.episodes)
             terms.append(f"episode_id IN ({ids})" if ids else "false")
         return " AND ".join(terms)
 

@@ -16,7 +16,7 @@ from openforge.reconstruct import reconstruct, store
 from openforge.reconstruct.rewards import advantage_sql
 from openforge.samples import SchemaError, Selection, connect, list_arrays, rl_window
 from openforge.trainer.config import TrainConfig
-from openforge.trainer.data import nothing_to_learn
+from openforge.trainer.data import DataError, SampleSource, nothing_to_learn
 from tests.support.reconstruct_flows import FlowFactory, qwen_retokenizer
 
 
@@ -184,3 +184,12 @@ def test_nothing_to_learn_says_why(db: Path) -> None:
     assert nothing_to_learn(db, Selection(), ppo) == "every group had equal rewards (4 groups)"
     assert nothing_to_learn(db, Selection(), TrainConfig(db=str(db), keep_zero_advantage=True)) == ""
     assert nothing_to_learn(db, Selection(episodes=()), ppo) == "no trainable samples in this iteration's episodes"
+
+
+def test_the_trainer_refuses_another_schema_version(db: Path) -> None:
+    with SampleSource(str(db), Selection(versions=(2, 2)), shuffle=False) as source:
+        assert [s.sample_id for s in source.samples(0)] == ["c", "d"]
+    with duckdb.connect(str(db)) as con:
+        con.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
+    with pytest.raises(DataError, match="schema version 6, this OpenForge reads 7: run `openforge reconstruct"):
+        SampleSource(str(db))
