@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -148,3 +150,11 @@ def test_the_environment_proxy_is_never_used(serve: Any, monkeypatch: pytest.Mon
     monkeypatch.delenv("no_proxy", raising=False)
     assert ControlClient(server.url, tries=1).status()["ok"]
     assert len(server.seen) == 1
+
+
+def test_the_episode_entrypoint_posts_through_it_with_the_standard_library_only() -> None:
+    code = ("import sys; before = set(sys.modules); import openforge.rollout.episode as e; "
+            "print(e.ControlClient.__module__); "
+            "print(' '.join({m.split('.')[0] for m in set(sys.modules) - before} - set(sys.stdlib_module_names)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:2] == ["openforge.protocols.control", "openforge"]
