@@ -178,21 +178,24 @@ def import_graph() -> dict[str, Imports]:
 def reached(module: str, graph: dict[str, Imports], at_load: bool, stop: Names) -> dict[str, str]:
     """Each name `module` imports -> the module that imports it: the module's own imports (or those at
     module level), then what importing each of the package's modules it names loads in turn (the packages
-    above them included), not followed through those in `stop`."""
+    above them and above `module` included), not followed through those in `stop`."""
     found: dict[str, str] = {}
-    todo, seen = [module], {module}
+    todo = [module, *(m for m in heads(module) if m in graph and m != module)]
+    seen = set(todo)
     while todo:
         current = todo.pop()
         for name in sorted(graph[current].at_load if at_load or current != module else graph[current].names):
             found.setdefault(name, current)
-            if name in stop:
-                continue
-            parts = name.split(".")
-            for follow in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
-                if follow in graph and follow not in seen:
-                    seen.add(follow)
-                    todo.append(follow)
+            if name not in stop:
+                todo += [m for m in heads(name) if m in graph and m not in seen]
+                seen.update(todo)
     return found
+
+
+def heads(name: str) -> list[str]:
+    """`a`, `a.b`, `a.b.c` for `a.b.c`: importing a module imports the packages above it."""
+    parts = name.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
 
 
 def outermost(names: dict[str, str]) -> dict[str, str]:
