@@ -83,6 +83,8 @@ class Names:
 
 @dataclass(frozen=True)
 class Rule:
+    """One row of the table: the part, the kind of rule, the names it is about (`row` names it in a failure)."""
+
     row: str
     part: Names
     kind: str
