@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from openforge.trainer.config import TrainConfig, dump_toml
 from openforge.trainer.data import DataError, Position
+from openforge.trainer.dist import barrier, broadcast_
 from openforge.trainer.model import tokenizer_files
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -114,8 +114,7 @@ def save(out: str, step: int, position: Position, model: torch.nn.Module, tokeni
         (tmp / "train.toml").write_text(dump_toml(cfg))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return final
 
 
@@ -147,9 +146,7 @@ def write_weights(state: Mapping[str, torch.Tensor], model_dir: Path, out: Path)
 def refuse_non_finite(state: dict[str, torch.Tensor], step: int, device: torch.device) -> None:
     """The last line of defence: a checkpoint with a non-finite weight is never written."""
     bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    count = torch.tensor(len(bad), device=device)
-    if dist.is_initialized():
-        dist.broadcast(count, 0)  # the full weights are gathered on rank 0 only
+    count = broadcast_(torch.tensor(len(bad), device=device))  # the full weights are gathered on rank 0 only
     if count.item():
         raise DataError(f"not saving step {step}: {count.item()} weight tensor(s) hold non-finite values "
                         f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")

@@ -70,6 +70,8 @@ class TrainConfig:
     precision: str = "auto"           # auto (fp32 on CPU, bf16-autocast on CUDA) | fp32 | bf16-autocast (fp32
                                       # weights, bf16 matmuls) | bf16 (bf16 weights in forward/backward, the
                                       # fp32 master copy in the optimizer and the checkpoints)
+    cpu_bf16: bool = False            # auto on a CPU with native bf16 matmuls (AVX512-BF16, AMX) is
+                                      # bf16-autocast, several times faster there than fp32 (`openforge rl`)
     compile: bool = False             # torch.compile each transformer block; eager, with a warning, if it fails
     logit_chunk: int = 1024           # trainable positions projected onto the vocabulary at a time, each
                                       # chunk recomputed in backward; 0 = all at once (more memory)

@@ -116,7 +116,7 @@ class TrackingSettings:
 # share their task prompt). lr 1e-5 suits the default 135M model and the few steps a demo has; the recipes for
 # 8B-30B models use 1e-6.
 TRAIN_DEFAULTS: dict[str, Any] = {"steps": 2, "lr": 1e-5, "warmup_steps": 3, "min_lr_ratio": 1.0,
-                                  "step_tokens": 4096, "row_tokens": 4096, "tree": "auto"}
+                                  "step_tokens": 4096, "row_tokens": 4096, "tree": "auto", "cpu_bf16": True}
 
 
 @dataclass
