@@ -5,10 +5,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from openforge.trainer.data import DataError
@@ -16,7 +23,7 @@ from openforge.trainer.dist import init_one_rank_group
 
 
 def load_model(path: str, device: torch.device, grad_checkpointing: bool = False, attention: str = "sdpa"
-               ) -> torch.nn.Module:
+               ) -> PreTrainedModel:
     """fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast/FSDP.
 
     A config with a vision config (Qwen2.5-VL, Qwen3-VL) loads the whole vision-language model, vision
@@ -25,14 +32,15 @@ def load_model(path: str, device: torch.device, grad_checkpointing: bool = False
     if not (Path(path) / "config.json").is_file():
         raise DataError(f"--model {path} is not a Hugging Face model directory (no config.json)")
     auto = AutoModelForImageTextToText if vl_config(path) is not None else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+    model: PreTrainedModel = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     model.config.use_cache = False
     if grad_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for layer in model.modules():  # transformers checkpoints a block only in training mode: the block's own
             if isinstance(layer, GradientCheckpointingLayer):  # flag, its submodules (dropout) stay in eval mode
                 layer.training = True
-    return model.to(device)
+    cast(torch.nn.Module, model).to(device)  # in place; transformers' wrapper of `to` is typed wrongly
+    return model
 
 
 def vl_config(path: str) -> PretrainedConfig | None:

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,8 +33,11 @@ from openforge.trainer.proximal import ProximalLogprobs, Sources, target_sources
 from openforge.trainer.tree import TreeChoice
 from openforge.trainer.vision import attach_pixels, check_pixels, idle_sample, mrope
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int, precision: str = "fp32"
+
+def policy_logprobs(model: PreTrainedModel, row: Row, chunk: int, precision: str = "fp32"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's log-probs of the row's trainable targets and its entropy there (`target_logprobs`), under
     bf16 autocast when `precision` (resolved: `dist.resolve_precision`) is bf16-autocast.
@@ -54,7 +57,7 @@ def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int, precision: str
         return target_logprobs(hidden, model.get_output_embeddings(), row, positions, chunk)
 
 
-def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.nn.Module | None = None,
+def forward_loss(model: PreTrainedModel, row: Row, cfg: TrainConfig, ref: PreTrainedModel | None = None,
                  old_logp: torch.Tensor | None = None, precision: str = "fp32"
                  ) -> tuple[torch.Tensor, dict[str, float]]:
     """One forward pass of a row and its loss (the reference model runs without grad); `old_logp` from
@@ -66,13 +69,13 @@ def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.
 
 
 @torch.no_grad()
-def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logit_chunk,
+def old_logprobs(model: PreTrainedModel, row: Row, chunk: int = TrainConfig.logit_chunk,
                  precision: str = "fp32") -> torch.Tensor:
     """PPO's old (proximal) policy: the model's logprobs of the row's trainable targets, without grad."""
     return policy_logprobs(model, row, chunk, precision)[0]
 
 
-def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterator[tuple[list[Sample], Position]],
+def proximal_pass(model: PreTrainedModel, source: SampleSource, batches: Iterator[tuple[list[Sample], Position]],
                   cfg: TrainConfig, compute: Compute, rope: MRope | None = None, idle: Sample | None = None,
                   store: ProximalLogprobs | None = None) -> ProximalLogprobs:
     """The proximal policy's logprobs of every sample this rank trains in `batches` (the run's steps), at the
@@ -82,7 +85,7 @@ def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterato
     store = store if store is not None else ProximalLogprobs()
     device = compute.device
     for batch, _ in batches:
-        share = [s for s in rank_share(batch, compute.rank, compute.world_size, by_episode=cfg.tree)
+        share = [s for s in rank_share(batch, compute.rank, compute.world_size, by_episode=bool(cfg.tree))
                  if s.sample_id not in store]
         attach_pixels(source, share)
         ones = {s.sample_id: 1.0 for s in share} | ({idle.sample_id: 0.0} if idle else {})
@@ -131,7 +134,7 @@ class Selection:
     def open(cls, cfg: TrainConfig, where: str, model_dir: str) -> Selection:
         """Refuse, naming samples, a selection the run could not train on to its end (`SampleSource.check`)."""
         ppo = cfg.objective == "ppo"
-        source = SampleSource(cfg.db, where, cfg.shuffle, cfg.seed, cfg.tree,
+        source = SampleSource(cfg.db, where, cfg.shuffle, cfg.seed, bool(cfg.tree),
                               drop_zero_advantage=ppo and not cfg.keep_zero_advantage,
                               group_filter=cfg.group_filter if ppo else "none")
         try:
@@ -141,7 +144,7 @@ class Selection:
                              needs_weight=cfg.aggregation == "episode-mean")
             vl = vl_config(model_dir)
             images = source.check_images(vl.image_token_id if vl else None, cfg.tree is True)
-            if images:
+            if images and vl is not None:  # images are refused without a vision tower
                 check_pixels(source, vl.vision_config)
         except BaseException:
             source.close()
@@ -183,7 +186,7 @@ class Trainer:
         self.say(f"attention: {attention} ({why})")
         self.model = load_model(self.model_dir, self.device, cfg.grad_checkpointing, attention)
         self.rope = mrope(self.model)
-        self.ref = None
+        self.ref: PreTrainedModel | None = None
         if cfg.kl_coef > 0:
             self.ref = load_model(cfg.ref_model or cfg.model, self.device, attention=attention).eval()
             self.ref.requires_grad_(False)
@@ -271,7 +274,7 @@ class Trainer:
         cfg, device, world_size = self.cfg, self.device, self.world_size
         t0 = time.perf_counter()
         coef = coefficients(batch, cfg.aggregation) | ({idle.sample_id: 0.0} if idle else {})
-        share = rank_share(batch, self.rank, world_size, by_episode=cfg.tree)
+        share = rank_share(batch, self.rank, world_size, by_episode=bool(cfg.tree))
         attach_pixels(source, share)
         mine = rows_of(share, coef, cfg, self.rope, idle, self.trees)
         n_rows = all_reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
@@ -281,7 +284,7 @@ class Trainer:
         if self.proximal is not None:  # the proximal logprobs of the rows' targets; filler rows have none
             found = [self.proximal.gather(share, src).to(device) for src in row_sources(share, coef, cfg, idle)]
             old = [*found, *[torch.empty(0, device=device)] * (n_rows - len(found))]
-        sums, is_max = Counter(), 0.0
+        sums, is_max = Counter[str](), 0.0
         for row, old_logp in zip(rows, old):
             loss, stats = forward_loss(self.model, row, cfg, self.ref, old_logp, self.compute.precision)
             (loss * world_size).backward()  # FSDP averages over ranks; coef already divides by the batch
@@ -289,7 +292,7 @@ class Trainer:
             sums.update(stats | {"tokens": row.n_real, "computed": row.input_ids.numel()})
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
         check_finite(self.step + 1, sums["loss"], grad_norm, device)  # before the update: weights stay finite
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        lr = float(self.scheduler.get_last_lr()[0])  # the rate this step's update uses
         with deferred_interrupt():  # weights, optimizer, step and position change together or not at all
             self.optimizer.step()
             self.scheduler.step()
