@@ -12,7 +12,7 @@ from openforge.commands import FAILED, fail
 
 
 class Side(StrEnum):
-    """openforge.replay.Side."""
+    """openforge.replay.trace.Side."""
 
     client = "client"
     engine = "engine"
@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _load(trace: list[Path]):  # the replay module's exchange list; imported only when a command runs
-    from openforge.replay import ReplayError, load_exchanges
+    from openforge.replay.trace import ReplayError, load_exchanges
 
     try:
         return load_exchanges(trace)
@@ -53,7 +53,8 @@ def serve(
 ) -> None:
     """Answer calls from a trace, matched by conversation; a call that matches nothing gets an error saying
     where it diverged."""
-    from openforge.replay import ReplayError, ReplayIndex, ReplayServer
+    from openforge.replay.serve import ReplayIndex, ReplayServer
+    from openforge.replay.trace import ReplayError
 
     exchanges = _load(trace)
     try:
@@ -105,7 +106,7 @@ def drive(
     from rich.progress import Progress
     from rich.table import Table
 
-    from openforge import replay as rp
+    from openforge.replay import drive as rp
 
     exchanges = _load(trace)
     total = rp.count_calls(exchanges, side.value)
