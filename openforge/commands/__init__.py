@@ -16,6 +16,9 @@ import typer
 USAGE = 2  # bad usage or bad input: nothing was run
 FAILED = 1  # the run started and failed
 
+# `--db` of the commands that read a reconstruct database (`stats`, `export`, `train`)
+SAMPLES_DB = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`.")
+
 
 def fail(message: str, *, hint: str | None = None, code: int = USAGE) -> NoReturn:
     """Print the one-line error (and hint) on stderr and exit with `code`."""

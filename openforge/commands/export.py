@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import fail
+from openforge.commands import SAMPLES_DB, fail
 
 
 class Format(StrEnum):
@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
 
 
 def export_command(
-    db: Path = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`."),
+    db: Path = SAMPLES_DB,
     fmt: Format = typer.Option(..., "--format",
                                help="parquet (our columns, images included), verl, slime or trl (text samples only)."),
     out: Path = typer.Option(..., "--out",

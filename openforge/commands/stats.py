@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import fail
+from openforge.commands import SAMPLES_DB, fail
 
 
 def register(app: typer.Typer) -> None:
@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
 
 
 def stats_command(
-    db: Path = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`."),
+    db: Path = SAMPLES_DB,
 ) -> None:
     """Print episodes, calls, samples, tokens, trainable tokens, merge ratio, branches and skipped records."""
     from rich.console import Console

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, fail
+from openforge.commands import FAILED, SAMPLES_DB, fail
 
 
 class Objective(StrEnum):
@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
 
 
 def train(
-    db: Path = typer.Option(..., "--db", help="DuckDB file written by `openforge reconstruct`."),
+    db: Path = SAMPLES_DB,
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory to start from."),
     out: Path = typer.Option(..., "--out", help="Output directory: checkpoints/step_N/ and metrics.jsonl."),
     config: Path = typer.Option(None, "--config",

@@ -8,22 +8,8 @@ import hashlib
 import json
 from typing import Any
 
-from . import computer_use
-from .chat import (
-    Block,
-    ChatStream,
-    Drops,
-    Generated,
-    begin,
-    cached_tokens,
-    function_tool,
-    new_id,
-    read_answer,
-    sse_event,
-    text_content,
-    tool_call,
-    unsupported_tool,
-)
+from . import chat, computer_use
+from .chat import Drops, Generated, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
 _HANDLED = {
@@ -249,7 +235,7 @@ def _signature(thinking: str) -> str:
 
 
 def _usage(usage: dict) -> dict:
-    prompt, cached = int(usage.get("prompt_tokens") or 0), cached_tokens(usage)
+    prompt, cached = int(usage.get("prompt_tokens") or 0), chat.cached_tokens(usage)
     return {
         "input_tokens": prompt - cached,  # Anthropic counts cache reads separately from input
         "output_tokens": int(usage.get("completion_tokens") or 0),
@@ -273,7 +259,7 @@ def _stop(finish: str | None, stop_reason: Any, has_tools: bool, request: dict) 
 
 def answer(chat_response: dict, request_body: dict) -> dict:
     """A non-streamed Chat answer as a Messages answer; raises ProtocolError (502) when it has no choice."""
-    got = read_answer(chat_response)
+    got = chat.read_answer(chat_response)
     content: list[dict] = []
     if got.reasoning:
         content.append({"type": "thinking", "thinking": got.reasoning, "signature": _signature(got.reasoning)})
@@ -285,7 +271,7 @@ def answer(chat_response: dict, request_body: dict) -> dict:
             args = json.loads(fn.get("arguments") or "{}")
         except ValueError:
             args = None
-        content.append({"type": "tool_use", "id": call.get("id") or new_id("toolu_"), "name": fn.get("name"),
+        content.append({"type": "tool_use", "id": call.get("id") or chat.new_id("toolu_"), "name": fn.get("name"),
                         "input": args if isinstance(args, dict) else {}})
     stop, sequence = _stop(got.finish_reason, got.stop_reason, bool(got.tool_calls), request_body)
     return {"id": f"msg_{got.id}", "type": "message", "role": "assistant",
@@ -293,13 +279,13 @@ def answer(chat_response: dict, request_body: dict) -> dict:
             "stop_reason": stop, "stop_sequence": sequence, "usage": _usage(got.usage)}
 
 
-class Stream(ChatStream):
+class Stream(chat.ChatStream):
     """Chat Completions SSE -> Anthropic Messages SSE."""
 
     tool_id_prefix = "toolu_"
 
     def _emit(self, payload: dict) -> None:
-        self._out.append(sse_event(payload["type"], payload))
+        self._out.append(chat.sse_event(payload["type"], payload))
 
     def _on_start(self) -> None:
         usage = _usage(self.usage or {"prompt_tokens": self.prompt_tokens or 0})
@@ -308,7 +294,7 @@ class Stream(ChatStream):
             "id": f"msg_{self.chat_id}", "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
 
-    def _on_open(self, block: Block) -> None:
+    def _on_open(self, block: chat.Block) -> None:
         if block.kind == "text":
             content: dict = {"type": "text", "text": ""}
         elif block.kind == "thinking":
@@ -317,7 +303,7 @@ class Stream(ChatStream):
             content = {"type": "tool_use", "id": block.call_id, "name": block.name, "input": {}}
         self._emit({"type": "content_block_start", "index": block.index, "content_block": content})
 
-    def _on_delta(self, block: Block, text: str) -> None:
+    def _on_delta(self, block: chat.Block, text: str) -> None:
         if block.kind == "text":
             delta = {"type": "text_delta", "text": text}
         elif block.kind == "thinking":
@@ -326,7 +312,7 @@ class Stream(ChatStream):
             delta = {"type": "input_json_delta", "partial_json": text}
         self._emit({"type": "content_block_delta", "index": block.index, "delta": delta})
 
-    def _on_close(self, block: Block) -> None:
+    def _on_close(self, block: chat.Block) -> None:
         if block.kind == "thinking":
             self._emit({"type": "content_block_delta", "index": block.index,
                         "delta": {"type": "signature_delta", "signature": _signature(block.text)}})

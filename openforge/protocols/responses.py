@@ -7,21 +7,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from .chat import (
-    Block,
-    ChatStream,
-    Drops,
-    Generated,
-    begin,
-    cached_tokens,
-    function_tool,
-    new_id,
-    read_answer,
-    sse_event,
-    text_content,
-    tool_call,
-    unsupported_tool,
-)
+from . import chat
+from .chat import Drops, Generated, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
 # Chat Completions' reasoning_effort takes low/medium/high on the engines we target.
@@ -221,7 +208,7 @@ def _usage(usage: dict) -> dict:
     reasoning = int(((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")) or 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached_tokens(usage)},
+        "input_tokens_details": {"cached_tokens": chat.cached_tokens(usage)},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": int(usage.get("total_tokens") or prompt + completion),
@@ -282,7 +269,7 @@ def _function_item(item_id: str, call_id: str, name: str, arguments: str, status
 
 def answer(chat_response: dict, request_body: dict) -> dict:
     """A non-streamed Chat answer as a `response` object; raises ProtocolError (502) when it has no choice."""
-    got = read_answer(chat_response)
+    got = chat.read_answer(chat_response)
     status, incomplete = _status(got.finish_reason)
     output: list[dict] = []
     if got.reasoning:
@@ -291,14 +278,14 @@ def answer(chat_response: dict, request_body: dict) -> dict:
         output.append(_message_item(f"msg_{got.id}", got.text, "completed"))
     for k, call in enumerate(got.tool_calls):
         fn = call.get("function") or {}
-        output.append(_function_item(f"fc_{got.id}_{k}", call.get("id") or new_id("call_"),
+        output.append(_function_item(f"fc_{got.id}_{k}", call.get("id") or chat.new_id("call_"),
                                      fn.get("name") or "", fn.get("arguments") or "", "completed"))
     model = request_body.get("model", chat_response.get("model"))
     return _response_object(request_body, f"resp_{got.id}", got.created, model, status, output,
                             _usage(got.usage), incomplete=incomplete)
 
 
-class Stream(ChatStream):
+class Stream(chat.ChatStream):
     """Chat Completions SSE -> OpenAI Responses SSE (with monotonically increasing sequence numbers)."""
 
     def __init__(self, request_body: dict) -> None:
@@ -308,14 +295,14 @@ class Stream(ChatStream):
     def _emit(self, payload: dict) -> None:
         payload["sequence_number"] = self._seq
         self._seq += 1
-        self._out.append(sse_event(payload["type"], payload))
+        self._out.append(chat.sse_event(payload["type"], payload))
 
     def _response(self, status: str, output: list, usage: dict | None = None, error: dict | None = None,
                   incomplete: dict | None = None) -> dict:
         return _response_object(self.request, f"resp_{self.chat_id}", self.created, self.model, status, output,
                                 usage, error, incomplete)
 
-    def _item(self, block: Block, status: str) -> dict:
+    def _item(self, block: chat.Block, status: str) -> dict:
         if block.kind == "text":
             return _message_item(block.item_id, block.text, status)
         if block.kind == "thinking":
@@ -326,7 +313,7 @@ class Stream(ChatStream):
         self._emit({"type": "response.created", "response": self._response("in_progress", [])})
         self._emit({"type": "response.in_progress", "response": self._response("in_progress", [])})
 
-    def _on_open(self, block: Block) -> None:
+    def _on_open(self, block: chat.Block) -> None:
         prefix = {"text": "msg", "thinking": "rs", "tool": "fc"}[block.kind]
         block.item_id = f"{prefix}_{self.chat_id}_{block.index}"
         item = self._item(block, "in_progress")
@@ -342,7 +329,7 @@ class Stream(ChatStream):
         self._emit({"type": "response.content_part.added", "item_id": block.item_id,
                     "output_index": block.index, "content_index": 0, "part": part})
 
-    def _on_delta(self, block: Block, text: str) -> None:
+    def _on_delta(self, block: chat.Block, text: str) -> None:
         ids = {"item_id": block.item_id, "output_index": block.index}
         if block.kind == "text":
             self._emit({"type": "response.output_text.delta", **ids, "content_index": 0, "delta": text,
@@ -352,7 +339,7 @@ class Stream(ChatStream):
         else:
             self._emit({"type": "response.function_call_arguments.delta", **ids, "delta": text})
 
-    def _on_close(self, block: Block) -> None:
+    def _on_close(self, block: chat.Block) -> None:
         ids = {"item_id": block.item_id, "output_index": block.index}
         item = self._item(block, "incomplete" if block.cut else "completed")
         if block.kind == "tool":
