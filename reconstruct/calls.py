@@ -344,8 +344,16 @@ def _completion_tokens(usage: dict[str, Any], choices: dict[int, _Choice], choic
     return len(choice.ids) or None
 
 
-def _unfinished(call_id: str) -> Skip:
-    return Skip("truncated_stream", "stream ended without a finish_reason", call_id)
+def _finished(rec: ExchangeRecord, protocol: str, streamed: bool, choices: dict[int, _Choice],
+              out: list[Call | Skip]) -> Iterator[tuple[dict[str, Any], _Choice]]:
+    """Each choice in index order with its call's base fields; one a stream never finished goes to `out` as
+    a Skip instead."""
+    for index, part in sorted(choices.items()):
+        base = _base(rec, index, protocol, streamed)
+        if streamed and part.finish is None:
+            out.append(Skip("truncated_stream", "stream ended without a finish_reason", base["call_id"]))
+        else:
+            yield base, part
 
 
 # ---------------------------------------------------------------- Chat Completions
@@ -426,11 +434,7 @@ def _parse_chat(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, stream
     sgl_prompt, sgl_completion = engine_ids.sglang_ids(sgl)
     messages, tools = _chat_messages(request, images), _chat_tools(request)
     out: list[Call | Skip] = []
-    for index, part in sorted(choices.items()):
-        base = _base(rec, index, "chat", streamed)
-        if streamed and part.finish is None:
-            out.append(_unfinished(base["call_id"]))
-            continue
+    for base, part in _finished(rec, "chat", streamed, choices, out):
         if not part.ids and len(choices) == 1:  # SGLang's and llama.cpp's ids cannot be told apart per choice
             part.ids = sgl_completion or engine_ids.llamacpp_completion_ids(part.lp_ids, usage)
         out.append(Call(
@@ -477,11 +481,7 @@ def _parse_completions(rec: ExchangeRecord, request: dict[str, Any], raw: bytes,
     if not choices:
         raise Skip("no_choices", "completions response has no choices")
     out: list[Call | Skip] = []
-    for index, part in sorted(choices.items()):
-        base = _base(rec, index, "completions", streamed)
-        if streamed and part.finish is None:
-            out.append(_unfinished(base["call_id"]))
-            continue
+    for base, part in _finished(rec, "completions", streamed, choices, out):
         text = "".join(part.text)
         out.append(Call(
             **base,
