@@ -1,4 +1,5 @@
-"""One module per `openforge` subcommand; each exposes `register(app)` and imports heavy things lazily.
+"""One module per `openforge` subcommand; each exposes `register(app)` (`one_command` makes it for a module
+with one subcommand) and imports heavy things lazily.
 
 Every command reports a user error the same way, through `fail`: one `error: ...` line (and a `hint: ...`
 line where one helps) on stderr, exit code USAGE (2) for bad usage or input, FAILED (1) for a run that
@@ -9,7 +10,8 @@ offers exactly what the module it feeds accepts.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import typer
 
@@ -26,3 +28,12 @@ def fail(message: str, *, hint: str | None = None, code: int = USAGE) -> NoRetur
     if hint:
         typer.echo(f"hint: {hint}", err=True)
     raise typer.Exit(code)
+
+
+def one_command(name: str, command: Callable[..., Any], **settings: Any) -> Callable[[typer.Typer], None]:
+    """The `register(app)` of a module whose one subcommand is `command`."""
+
+    def register(app: typer.Typer) -> None:
+        app.command(name, **settings)(command)
+
+    return register

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import SAMPLES_DB, fail
+from openforge.commands import SAMPLES_DB, fail, one_command
 
 
 class Format(StrEnum):
@@ -17,10 +17,6 @@ class Format(StrEnum):
     verl = "verl"
     slime = "slime"
     trl = "trl"
-
-
-def register(app: typer.Typer) -> None:
-    app.command(name="export")(export_command)
 
 
 def export_command(
@@ -57,3 +53,6 @@ def export_command(
         if bar.live.is_started:
             bar.stop()
     console.print(f"{n} samples -> {out} ({fmt.value})")
+
+
+register = one_command("export", export_command)

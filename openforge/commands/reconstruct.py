@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, fail
+from openforge.commands import FAILED, fail, one_command
 
 
 class Advantage(StrEnum):
@@ -23,10 +23,6 @@ class GroupBy(StrEnum):
 
     task = "task"
     task_toolchain = "task-toolchain"
-
-
-def register(app: typer.Typer) -> None:
-    app.command(name="reconstruct")(reconstruct_command)
 
 
 def reconstruct_command(
@@ -184,3 +180,6 @@ def print_summary(summary) -> None:
     if summary.episodes_pending:
         console.print(f"[yellow]{summary.episodes_pending} episodes have no reward and were not built: pass "
                       "--rewards, or --missing-reward drop|fill:<x>|keep.")
+
+
+register = one_command("reconstruct", reconstruct_command)

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
-
-from openforge.commands import SAMPLES_DB, fail
-
-
-def register(app: typer.Typer) -> None:
-    app.command(name="stats")(stats_command)
+from openforge.commands import SAMPLES_DB, fail, one_command
 
 
 def stats_command(
@@ -36,3 +30,6 @@ def stats_command(
             value = f"{value:.2f}"
         table.add_row(key.replace("_", " "), str(value))
     Console().print(table)
+
+
+register = one_command("stats", stats_command)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, SAMPLES_DB, fail
+from openforge.commands import FAILED, SAMPLES_DB, fail, one_command
 
 
 class Objective(StrEnum):
@@ -15,10 +15,6 @@ class Objective(StrEnum):
 
     ppo = "ppo"
     sft = "sft"
-
-
-def register(app: typer.Typer) -> None:
-    app.command(name="train")(train)
 
 
 def train(
@@ -57,3 +53,6 @@ def train(
         run(cfg, resume=resume, say=console.print)
     except (ConfigError, DataError) as e:
         fail(str(e), code=FAILED)
+
+
+register = one_command("train", train)
