@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(replay_app, name="replay")
 
 
-def _load(trace: list[Path]) -> list[dict[str, Any]]:
+def _load(trace: list[Path]) -> list[dict[str, Any]]:  # the replay module is imported only when a command runs
     from openforge.replay.trace import ReplayError, load_exchanges
 
     try:
