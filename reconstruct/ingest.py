@@ -27,7 +27,8 @@ from openforge.addons.flowfile import (
     read_header,
 )
 from openforge.reconstruct import store
-from openforge.reconstruct.calls import Call, RawIds, Skip, parse_choices
+from openforge.reconstruct.answer_json import RawIds
+from openforge.reconstruct.calls import Call, Skip, parse_choices
 from openforge.reconstruct.episodes import ChainHasher, Linker
 from openforge.reconstruct.mitm_flows import MitmFile, is_mitm_file
 from openforge.reconstruct.prefixes import PrefixSplitter, int32
