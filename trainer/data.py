@@ -8,7 +8,7 @@ Only one global batch of rows is ever held in memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -337,7 +337,8 @@ class SampleSource:
         return dict(self.side.execute(
             "SELECT hash, data FROM images WHERE hash IN (SELECT unnest(?))", [hashes]).fetchall())
 
-    def batches(self, step_tokens: int, start: Position, epochs: int) -> Iterator[tuple[list[Sample], Position]]:
+    def batches(self, step_tokens: int, start: Position, epochs: int
+                ) -> Generator[tuple[list[Sample], Position], None, None]:
         """Global batches of at most `step_tokens` tokens, each with the position after it."""
         for epoch in range(start.epoch, epochs):
             offset = start.offset if epoch == start.epoch else 0
