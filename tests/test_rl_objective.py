@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import ensure_tables
+from openforge.rl.records import ensure_tables
 from openforge.trainer.config import ConfigError, load_config
 from openforge.trainer.data import DataError, SampleSource
 from openforge.trainer.train import lr_factor, train
@@ -125,9 +125,9 @@ def test_the_loop_warms_up_by_default():
 ])
 def test_the_trainer_config_says_the_precision_the_loop_trains_in(tmp_path, monkeypatch, native, sets, expected):
     """The loop's CPU precision is the trainer's `precision` setting, so the trainer's log line says what runs."""
-    import openforge.rl.loop as loop
+    import openforge.rl.training as training
 
-    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(training, "cpu_has_bf16", lambda: native)
     run = Run(tmp_path / "run", [], sets={"train.device": "cpu", **sets})
     run._base_model = tmp_path / "model"  # the starting weights, never converted here
     assert run.trainer_config().precision == expected

@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 
 from openforge.cli import app
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import RLError, RLRun
+from openforge.rl.errors import RLError
+from openforge.rl.loop import RLRun
 from openforge.rollout.spec import EpisodeResult
 from openforge.taskforge.calibrate import KEPT, TOO_EASY, TOO_HARD, UNMEASURED, parse_band, pass_rates, verdict
 from openforge.trainer.config import ConfigError
