@@ -25,7 +25,7 @@ from openforge.rl import episodes
 from openforge.rl.config import load_rl_config
 from openforge.rl.errors import RLError
 from openforge.rl.loop import RLRun
-from openforge.rollout.runner import Rollout
+from openforge.rollout.runner import Rollout, write_rollout
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec
 
 OTHER_STAGES = ("reconstruct", "train", "publish")
@@ -300,7 +300,7 @@ def test_a_reward_that_differs_from_result_json_is_flagged_and_not_trained(tmp_p
                EpisodeResult("e2", "t", "tool-agent", 2, "ok", 0.0, reward_posted=True),
                EpisodeResult("e3", "t", "tool-agent", 3, "agent_failed", None, reward_posted=True),
                EpisodeResult("e4", "t", "tool-agent", 4, "crashed", None, reward_posted=False)]
-    (out / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
+    write_rollout(Rollout("r", out, results, {"run_id": "r"}))
     con = store.connect(run.db)
     for ep, reward in [("e1", 1.0), ("e2", 0.99), ("e3", 0.0), ("e4", 0.7)]:
         con.execute("INSERT INTO episodes (episode_id, task_id, n_calls, n_samples, reward, weight) "
@@ -322,11 +322,10 @@ def test_rl_jsonl_counts_the_reward_mismatches(tmp_path: Path) -> None:
     run = Run(tmp_path / "run", [])
     out = run.rollout_dir(0)
     out.mkdir(parents=True)
-    (out / "results.jsonl").write_text(json.dumps(asdict(EpisodeResult("e1", "t", "a", 1, "ok", 1.0,
-                                                                       reward_posted=True))) + "\n")
     group = {"episodes": 1, "mean_reward": 1.0, "pass_at_k": 1.0, "pass_all_k": 1.0}
-    (out / "summary.json").write_text(json.dumps({"overall": group | {"failures": {}}, "toolchains": {"a": group},
-                                                  "tasks": {"t": group}}))
+    write_rollout(Rollout("r", out, [EpisodeResult("e1", "t", "a", 1, "ok", 1.0, reward_posted=True)],
+                          {"run_id": "r", "overall": group | {"failures": {}}, "toolchains": {"a": group},
+                           "tasks": {"t": group}}))
     con = store.connect(run.db)
     con.execute("INSERT INTO episodes (episode_id, task_id, n_calls, n_samples, reward, weight) "
                 "VALUES ('e1', 't', 1, 1, 0.5, 1.0)")
