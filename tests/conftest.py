@@ -6,11 +6,9 @@ Light on purpose (stdlib + pytest only): it runs in the Python 3.12 proxy enviro
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `tests.support.*` and `openforge.*` importable however pytest was started
     sys.path.insert(0, str(ROOT))
 from openforge.processes import Child, ChildError, free_port, listens, mitmdump_command  # noqa: E402
+from openforge.protocols.control import ControlClient, StatusAnswer  # noqa: E402
 
 # The light proxy-only environment (Python 3.12 + mitmproxy 12) has no torch / duckdb / typer.
 LIGHT_ENV = importlib.util.find_spec("torch") is None or importlib.util.find_spec("typer") is None
@@ -64,10 +63,9 @@ class Proxy:
             raise RuntimeError(f"{e}\n{self.log()}") from None
         return self
 
-    def status(self) -> dict:
+    def status(self) -> StatusAnswer:
         """The addon's status answer; once it is back, every exchange answered before is in the flow file."""
-        with urllib.request.urlopen(f"{self.url}/openforge/v1/status", timeout=10) as r:
-            return json.load(r)
+        return ControlClient(self.url, timeout=10).status()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
