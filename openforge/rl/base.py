@@ -23,6 +23,7 @@ from openforge.rl.lock import RunLock
 from openforge.rl.services import ControlAPI, Policy, ProxyProcess
 from openforge.rl.state import State
 from openforge.rl.tasks import check_tasks
+from openforge.rollout.runner import Rollout, RolloutError, read_rollout
 from openforge.tracking import Trackers
 
 if TYPE_CHECKING:
@@ -124,6 +125,13 @@ class RunBase:
 
     def rollout_dir(self, i: int) -> Path:
         return self.out / "iterations" / f"{i:03d}" / "rollout"
+
+    def rollout_of(self, i: int) -> Rollout:
+        """Iteration i's rollout as its stage left it (results, summary); RLError when it is not there."""
+        try:
+            return read_rollout(self.rollout_dir(i))
+        except RolloutError as e:
+            raise RLError(f"iteration {i + 1}: {e}") from None
 
     @property
     def eval_path(self) -> Path:

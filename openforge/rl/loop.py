@@ -49,12 +49,11 @@ from openforge.rl.errors import RLError
 from openforge.rl.lock import RunLock, RunLocked
 from openforge.rl.pruning import prune_checkpoints, prune_policies
 from openforge.rl.records import ensure_tables, reward_mismatches
-from openforge.rl.report import UNTRACKED, Report, _pct, keep_lines_before, plot, read_lines
+from openforge.rl.report import UNTRACKED, Report, keep_lines_before, percent, plot, read_lines
 from openforge.rl.services import ControlAPI, LlamaCppPolicy, Policy, ProxyProcess, VllmPolicy, proxy_routes
 from openforge.rl.services import publish as publish_weights
 from openforge.rl.state import Stage
 from openforge.rl.training import Training
-from openforge.rollout.runner import read_rollout
 from openforge.taskforge.calibrate import out_of_band, parse_band, pass_rates
 from openforge.tracking import TrackerError, Trackers
 
@@ -179,7 +178,7 @@ class RLRun(Rollouts, Training, Report):
         s.save(self.state_path)
         reward = "-" if line["reward_mean"] is None else f"{line['reward_mean']:.3f}"
         self.console.print(f"iteration {i + 1}: reward {reward}, pass@{self.cfg.rollout.attempts} "
-                           f"{_pct(line['pass_at_k'])}, {line['samples']} samples, now serving policy version "
+                           f"{percent(line['pass_at_k'])}, {line['samples']} samples, now serving policy version "
                            f"{s.version}")
 
     def recalibrate(self, i: int) -> dict[str, str] | None:
@@ -191,7 +190,7 @@ class RLRun(Rollouts, Training, Report):
         if not every or (i + 1) % every or i + 1 >= self.cfg.loop.iterations:
             return None
         band = parse_band(self.cfg.tasks.band)
-        results = read_rollout(self.rollout_dir(i)).results
+        results = self.rollout_of(i).results
         dropped = out_of_band(pass_rates(results, r.pass_threshold, r.on_failure), band)
         if dropped and not {t.id for t in self.tasks} - dropped.keys():
             shown = "; ".join(f"{k}: {v}" for k, v in list(dropped.items())[:3])
@@ -228,7 +227,7 @@ class RLRun(Rollouts, Training, Report):
     def record_episodes(self, i: int) -> None:
         """The iteration's results into `rl_episodes`; each checked against the reward reconstruct stored
         for it: a mismatch goes to `rl_reward_mismatches` (left out of training) and gets a warning."""
-        results = read_rollout(self.rollout_dir(i)).results
+        results = self.rollout_of(i).results
         con = duckdb.connect(str(self.db))
         try:
             ensure_tables(con)
@@ -278,7 +277,6 @@ class RLRun(Rollouts, Training, Report):
             self.console.print(f"  published {s.served} as policy version {i + 1} (proxy paused {paused:.1f} s)")
         else:
             self.console.print(f"  policy version {i + 1} is the same weights: {self.serving()}")
-
 
 
 def _num(x: float | None) -> str:

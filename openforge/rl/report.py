@@ -11,7 +11,6 @@ from typing import Any
 import duckdb
 
 from openforge.rl.base import RunBase
-from openforge.rollout.runner import read_rollout
 from openforge.rollout.spec import EpisodeResult
 
 METRIC_MEANS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "ratio_dev", "is_ratio_mean", "is_truncated_frac",
@@ -26,7 +25,7 @@ class Report(RunBase):
 
     def summary_line(self, i: int) -> dict[str, Any]:
         """rl.jsonl's line for iteration i (docs/rl.md)."""
-        rollout = read_rollout(self.rollout_dir(i))
+        rollout = self.rollout_of(i)
         summary, overall = rollout.summary, rollout.summary["overall"]
         s = self.state
         metrics = [m for m in read_lines(self.train_out / "metrics.jsonl")
@@ -136,9 +135,9 @@ def eval_brief(line: dict[str, Any]) -> str:
     32/32 scored)'."""
     s = line["sampled"]
     parts = [f"reward {_num3(s['reward_mean'])} +- {_num3(s['reward_se'])}"]
-    parts += [f"pass@{k} {_pct(v['value'])}" for k, v in s["pass_at"].items()]
+    parts += [f"pass@{k} {percent(v['value'])}" for k, v in s["pass_at"].items()]
     if "greedy" in line:
-        parts.append(f"greedy {_pct(line['greedy']['pass_at']['1']['value'])}")
+        parts.append(f"greedy {percent(line['greedy']['pass_at']['1']['value'])}")
     failures = f", failures {s['failures']}" if s["failures"] else ""
     return ", ".join(parts) + f" ({s['tasks']} tasks, {s['scored']}/{s['episodes']} scored{failures})"
 
@@ -164,7 +163,7 @@ def results_table(lines: list[dict[str, Any]], evals: list[dict[str, Any]] | Non
         t = line["train"] or {}
         row = [str(line["iteration"] + 1), str(line["policy_version"]), str(line["episodes"]),
                "-" if line["reward_mean"] is None else f"{line['reward_mean']:.3f}",
-               _pct(line["pass_at_k"]), str(line["samples"]),
+               percent(line["pass_at_k"]), str(line["samples"]),
                f"{t['loss']:.4f}" if t else "-", f"{t['engine_gap_mean']:.4f}" if t else "-",
                f"{sum(v for k, v in line['seconds'].items() if k != 'paused'):.0f}"]
         table.add_row(*row, *(_eval_cells(by_version.get(line["policy_version"])) if by_version else []))
@@ -178,8 +177,8 @@ def _eval_cells(line: dict[str, Any] | None) -> list[str]:
     if line is None:
         return ["-"] * 4
     s = line["sampled"]
-    passes = " ".join(f"@{k} {_pct(v['value'])}" for k, v in s["pass_at"].items())
-    greedy = _pct(line["greedy"]["pass_at"]["1"]["value"]) if "greedy" in line else "-"
+    passes = " ".join(f"@{k} {percent(v['value'])}" for k, v in s["pass_at"].items())
+    greedy = percent(line["greedy"]["pass_at"]["1"]["value"]) if "greedy" in line else "-"
     return [f"{_num3(s['reward_mean'])}+-{_num3(s['reward_se'])}", passes, greedy, f"{s['scored']}/{s['episodes']}"]
 
 
@@ -192,5 +191,5 @@ def _num3(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _pct(x: float | None) -> str:
+def percent(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
