@@ -19,7 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from openforge.rl.config import RLConfig, load_rl_config
-from openforge.rl.loop import RLError, RLRun, read_lines, results_table
+from openforge.rl.errors import RLError
+from openforge.rl.loop import RLRun
+from openforge.rl.report import read_lines, results_table
 
 # Written into every demo output: the only directories a later demo replaces without --force.
 MARKER = ".openforge-demo"

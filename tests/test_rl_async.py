@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import RLError
+from openforge.rl.errors import RLError
 from openforge.trainer.config import ConfigError
 from tests.test_rl_faults import Run
 

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from openforge.rl import loop as rl_loop
+from openforge.rl import episodes
 from openforge.rl.config import load_rl_config
+from openforge.rl.errors import RLError
 from openforge.rl.evaluation import pass_at_k, score, split_tasks
-from openforge.rl.loop import RLError, RLRun, plot, results_table
+from openforge.rl.loop import RLRun
+from openforge.rl.report import plot, read_lines, results_table
 from openforge.rollout import runner
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
 
@@ -137,7 +139,7 @@ class Run(RLRun):
     def summary_line(self, i: int) -> dict[str, Any]:
         return {"iteration": i, "policy_version": i, "reward_mean": 0.5, "pass_at_k": 0.5, "samples": 0,
                 "attempts": 4, "toolchains": {}, "episodes": 24, "train": None, "seconds": {},
-                "eval": next((x for x in rl_loop.read_lines(self.eval_path) if x["policy_version"] == i), None)}
+                "eval": next((x for x in read_lines(self.eval_path) if x["policy_version"] == i), None)}
 
 
 @pytest.fixture
@@ -153,8 +155,8 @@ def fake_episodes(monkeypatch: pytest.MonkeyPatch) -> list[EpisodeSpec]:
                                  1.0 if greedy or s.attempt == 1 else 0.0, reward_posted=True) for s in specs]
         return runner.Rollout(run_id, Path(options["out"]), results)
 
-    monkeypatch.setattr(runner, "execute", execute)
-    monkeypatch.setattr(rl_loop, "ProxyProcess", FakeProxy)
+    monkeypatch.setattr(episodes, "execute", execute)
+    monkeypatch.setattr(episodes, "ProxyProcess", FakeProxy)
     return ran
 
 
@@ -196,7 +198,7 @@ def test_a_resumed_run_evaluates_each_version_once(tmp_path: Path, fake_episodes
 def test_the_table_and_the_plot_show_the_evaluation(tmp_path: Path, fake_episodes: list[EpisodeSpec]) -> None:
     run = Run(tmp_path / "run", {}, [])
     lines = run.run()
-    evals = rl_loop.read_lines(run.eval_path)
+    evals = read_lines(run.eval_path)
     out = io.StringIO()
     Console(file=out, width=220).print(results_table(lines, evals))
     text = out.getvalue()

@@ -21,9 +21,11 @@ from rich.console import Console
 
 from openforge.engine import EngineError
 from openforge.reconstruct import store
-from openforge.rl import loop as rl_loop
+from openforge.rl import episodes
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import RLError, RLRun
+from openforge.rl.errors import RLError
+from openforge.rl.loop import RLRun
+from openforge.rollout.runner import Rollout, write_rollout
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec
 
 OTHER_STAGES = ("reconstruct", "train", "publish")
@@ -100,7 +102,7 @@ def fake_execute(outcomes: dict[int, Any], ran: list[str], interrupt: bool = Fal
     result; None: no result.json, as after a kill -9), then Ctrl-C if `interrupt`; later calls: all ok."""
     calls: list[int] = []
 
-    def execute(run_id: str, specs: list[EpisodeSpec], *, out: Path, done: Any = (), **options: Any) -> None:
+    def execute(run_id: str, specs: list[EpisodeSpec], *, out: Path, done: Any = (), **options: Any) -> Rollout:
         first = not calls
         calls.append(len(specs))
         for k, spec in enumerate(specs):
@@ -116,6 +118,7 @@ def fake_execute(outcomes: dict[int, Any], ran: list[str], interrupt: bool = Fal
         results = [*done, *(res for s in specs if (res := read(s)) is not None)]
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
+        return Rollout(run_id, Path(out), results)
 
     return execute
 
@@ -137,7 +140,7 @@ def test_episodes_an_interruption_cut_short_run_again_on_resume(tmp_path: Path,
                 2: {"status": "agent_failed", "reward": None, "reward_posted": False,
                     "reason": "agent exited 1; reward post failed: [Errno 111] Connection refused"},
                 3: None}
-    monkeypatch.setattr("openforge.rollout.runner.execute", fake_execute(outcomes, ran, interrupt=True))
+    monkeypatch.setattr(episodes, "execute", fake_execute(outcomes, ran, interrupt=True))
     log: list[Any] = []
     with pytest.raises(KeyboardInterrupt):
         Run(tmp_path / "run", log).run()
@@ -153,10 +156,10 @@ def test_episodes_an_interruption_cut_short_run_again_on_resume(tmp_path: Path,
 def test_a_failure_that_posted_no_reward_by_choice_is_kept(tmp_path: Path) -> None:
     """on_failure=drop posts nothing for a failure: that result is final, not an interruption."""
     failed = EpisodeResult("e", "t", "tool-agent", 1, "agent_failed", None, reason="agent exited 1")
-    assert rl_loop.finished(failed, "drop") and not rl_loop.finished(failed, "zero")
+    assert episodes.finished(failed, "drop") and not episodes.finished(failed, "zero")
     interrupted = EpisodeResult("e", "t", "tool-agent", 1, "crashed", None, reason="interrupted")
-    assert not rl_loop.finished(interrupted, "drop")
-    assert rl_loop.finished(EpisodeResult("e", "t", "a", 1, "ok", 0.5, reward_posted=True), "zero")
+    assert not episodes.finished(interrupted, "drop")
+    assert episodes.finished(EpisodeResult("e", "t", "a", 1, "ok", 0.5, reward_posted=True), "zero")
 
 
 # --- a dead engine ---------------------------------------------------------------------------------------
@@ -193,7 +196,7 @@ def test_a_rollout_the_engine_died_under_runs_again(tmp_path: Path, monkeypatch:
     is back, so no failure caused by the engine is counted or trained on."""
     ran: list[str] = []
     failed = {"status": "agent_failed", "reward": None, "reward_posted": True, "reason": "agent exited 1"}
-    monkeypatch.setattr("openforge.rollout.runner.execute", fake_execute({k: failed for k in range(4)}, ran))
+    monkeypatch.setattr(episodes, "execute", fake_execute({k: failed for k in range(4)}, ran))
     log: list[Any] = []
     policy = FakePolicy(log, health=[True, False])  # alive before the rollout, dead after it
     Run(tmp_path / "run", log, policy=policy).run()
@@ -297,7 +300,7 @@ def test_a_reward_that_differs_from_result_json_is_flagged_and_not_trained(tmp_p
                EpisodeResult("e2", "t", "tool-agent", 2, "ok", 0.0, reward_posted=True),
                EpisodeResult("e3", "t", "tool-agent", 3, "agent_failed", None, reward_posted=True),
                EpisodeResult("e4", "t", "tool-agent", 4, "crashed", None, reward_posted=False)]
-    (out / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
+    write_rollout(Rollout("r", out, results, {"run_id": "r"}))
     con = store.connect(run.db)
     for ep, reward in [("e1", 1.0), ("e2", 0.99), ("e3", 0.0), ("e4", 0.7)]:
         con.execute("INSERT INTO episodes (episode_id, task_id, n_calls, n_samples, reward, weight) "
@@ -319,11 +322,10 @@ def test_rl_jsonl_counts_the_reward_mismatches(tmp_path: Path) -> None:
     run = Run(tmp_path / "run", [])
     out = run.rollout_dir(0)
     out.mkdir(parents=True)
-    (out / "results.jsonl").write_text(json.dumps(asdict(EpisodeResult("e1", "t", "a", 1, "ok", 1.0,
-                                                                       reward_posted=True))) + "\n")
     group = {"episodes": 1, "mean_reward": 1.0, "pass_at_k": 1.0, "pass_all_k": 1.0}
-    (out / "summary.json").write_text(json.dumps({"overall": group | {"failures": {}}, "toolchains": {"a": group},
-                                                  "tasks": {"t": group}}))
+    write_rollout(Rollout("r", out, [EpisodeResult("e1", "t", "a", 1, "ok", 1.0, reward_posted=True)],
+                          {"run_id": "r", "overall": group | {"failures": {}}, "toolchains": {"a": group},
+                           "tasks": {"t": group}}))
     con = store.connect(run.db)
     con.execute("INSERT INTO episodes (episode_id, task_id, n_calls, n_samples, reward, weight) "
                 "VALUES ('e1', 't', 1, 1, 0.5, 1.0)")

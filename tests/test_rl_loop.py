@@ -26,7 +26,10 @@ from rich.console import Console
 from openforge.reconstruct import store
 from openforge.reconstruct.rewards import advantage_sql
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import STAGES, RLError, RLRun, rerun
+from openforge.rl.episodes import rerun
+from openforge.rl.errors import RLError
+from openforge.rl.loop import RLRun
+from openforge.rl.state import STAGES
 from openforge.rollout.spec import Adapter, EpisodeSpec, Task
 from openforge.trainer.config import ConfigError
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import ensure_tables
+from openforge.rl.records import ensure_tables
 from openforge.trainer.config import ConfigError, load_config
 from openforge.trainer.data import DataError, SampleSource
 from openforge.trainer.train import lr_factor, train
@@ -126,11 +126,11 @@ def test_the_loop_warms_up_by_default():
 ])
 def test_the_loop_trains_in_bf16_where_the_cpu_has_it(tmp_path, monkeypatch, native, sets, expected):
     """The loop asks for bf16 on CPUs with native bf16 (`cpu_bf16`); the trainer decides, and logs, the rest."""
-    import openforge.rl.loop as loop
+    import openforge.rl.training as training
     from openforge.trainer import dist
 
     monkeypatch.setattr(dist, "cpu_has_bf16", lambda: native)
-    monkeypatch.setattr(loop, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(training, "cpu_has_bf16", lambda: native)
     run = Run(tmp_path / "run", [], sets={"train.device": "cpu", **sets})
     run._base_model = tmp_path / "model"  # the starting weights, never converted here
     assert dist.resolve_precision(run.trainer_config(), torch.device("cpu"))[0] == expected

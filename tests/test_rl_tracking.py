@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import RLError
+from openforge.rl.errors import RLError
 from openforge.tracking import Trackers, flatten
 from openforge.trainer.config import load_config
 from openforge.trainer.train import train

@@ -9,7 +9,6 @@ exits 3 (the agent's own failure) on the one named."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -26,7 +25,9 @@ from typer.testing import CliRunner
 
 from openforge.cli import app
 from openforge.rl.config import load_rl_config
-from openforge.rl.loop import RLError, RLRun
+from openforge.rl.errors import RLError
+from openforge.rl.loop import RLRun
+from openforge.rollout.runner import Rollout, write_rollout
 from openforge.rollout.spec import EpisodeResult
 from openforge.taskforge.calibrate import KEPT, TOO_EASY, TOO_HARD, UNMEASURED, parse_band, pass_rates, verdict
 from openforge.trainer.config import ConfigError
@@ -185,10 +186,9 @@ class Recalibrated(RLRun):
         if i == self.stop_at:
             raise KeyboardInterrupt
         self.ran.append([t.id for t in self.tasks])
-        lines = [json.dumps(dataclasses.asdict(result(t.id, k, "ok", float(k <= self.passes[i][t.id]))))
-                 for t in self.tasks for k in range(1, 5)]
+        results = [result(t.id, k, "ok", float(k <= self.passes[i][t.id])) for t in self.tasks for k in range(1, 5)]
         self.rollout_dir(i).mkdir(parents=True, exist_ok=True)
-        (self.rollout_dir(i) / "results.jsonl").write_text("\n".join(lines) + "\n")
+        write_rollout(Rollout("r", self.rollout_dir(i), results, {"run_id": "r"}))
 
     @contextlib.contextmanager
     def services(self) -> Iterator[None]:

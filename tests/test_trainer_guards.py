@@ -229,7 +229,8 @@ def loop_train(tmp_path: Path, model: Path, rows: list[dict]) -> list[dict]:
     import duckdb
 
     from openforge.rl.config import load_rl_config
-    from openforge.rl.loop import RL_EPISODES, RLRun
+    from openforge.rl.loop import RLRun
+    from openforge.rl.records import RL_EPISODES
 
     cfg = load_rl_config(sets={"engine.backend": "vllm", "engine.model": str(model), "train.steps": "1",
                                "train.step_tokens": "160", "train.row_tokens": "160", "train.device": "cpu",
@@ -254,7 +255,7 @@ def test_loop_trains_on_samples_without_engine_logprobs(tmp_path, tiny_qwen_dir,
 
 
 def test_loop_reports_a_data_error_as_one_error(tmp_path, tiny_qwen_dir, samples):
-    from openforge.rl.loop import RLError
+    from openforge.rl.errors import RLError
 
     rows, bad_id = damaged(samples, "nan_advantage")
     with pytest.raises(RLError, match=f"training refused: .*{bad_id}"):

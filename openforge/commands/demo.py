@@ -31,7 +31,7 @@ def demo(
 
     from openforge.commands.rl import run_loop
     from openforge.demo import DemoConfig, prepare, summary
-    from openforge.rl.loop import RLError
+    from openforge.rl.errors import RLError
     from openforge.trainer.config import ConfigError
 
     console = Console()

@@ -34,7 +34,7 @@ def run_loop(run: RLRun, console: Console) -> list[dict[str, Any]]:
     interruption is one message naming the command that continues the run."""
     from openforge.engine import EngineError
     from openforge.processes import ChildError
-    from openforge.rl.loop import RLError
+    from openforge.rl.errors import RLError
 
     again = f"openforge rl --out {run.out} --resume"
     signal.signal(signal.SIGTERM, _interrupt)
@@ -91,7 +91,10 @@ def rl(
     Ctrl-C stops every episode, the engine and the proxy; `--resume` continues."""
     from rich.console import Console
 
-    from openforge.rl.loop import RLError, RLRun, load, read_lines, results_table
+    from openforge.rl.base import load
+    from openforge.rl.errors import RLError
+    from openforge.rl.loop import RLRun
+    from openforge.rl.report import read_lines, results_table
     from openforge.rollout.sandbox import NOT_PROTECTED, unavailable
     from openforge.trainer.config import ConfigError, parse_sets
 

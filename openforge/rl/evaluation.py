@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from math import comb
 from typing import Any
 
+from openforge.rollout.failures import EpisodeStatus
 from openforge.rollout.spec import EpisodeResult, Task
 
-AGENT_FAILURE = "agent_failed"  # the agent's own failure: it scores 0; other failures are not scored
+AGENT_FAILURE = EpisodeStatus.AGENT_FAILED  # the agent's own failure: it scores 0; other failures are not scored
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -80,5 +81,5 @@ def score(results: Sequence[EpisodeResult], ks: Sequence[int], pass_threshold: f
     return {
         "episodes": len(results), "scored": sum(len(v) for v in scored.values()), "tasks": len(by_task),
         "reward_mean": reward, "reward_se": reward_se, "pass_at": passes,
-        "failures": dict(sorted(Counter(r.status for r in results if r.status != "ok").items())),
+        "failures": dict(sorted(Counter(r.status for r in results if r.status != EpisodeStatus.OK).items())),
     }

@@ -37,7 +37,7 @@ from openforge.protocols.control import CallsAnswer, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout import sandbox
 from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
-from openforge.rollout.failures import answered, classify, engine_failure, model_output_errors, policies
+from openforge.rollout.failures import EpisodeStatus, answered, classify, engine_failure, model_output_errors, policies
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 from openforge.rollout.tasks import relative_path
 
@@ -129,7 +129,7 @@ def write_under(root: Path, rel: str, content: str) -> None:
     """Write a task file at `root/rel`, replacing whatever is there: a link or a directory the agent put on
     the way is removed, never followed."""
     if why := relative_path(rel):
-        raise EpisodeError("crashed", f"file {rel!r} {why}")
+        raise EpisodeError(EpisodeStatus.CRASHED, f"file {rel!r} {why}")
     path = root
     for part in Path(rel).parts[:-1]:
         path = path / part
@@ -157,7 +157,7 @@ def run_group(argv: list[str], *, cwd: Path, env: dict[str, str], out: Path, nam
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                                     start_new_session=True, **(popen or {}))
         except OSError as e:
-            raise EpisodeError("crashed", f"cannot start {name} ({argv[0]}): {e.strerror or e}") from None
+            raise EpisodeError(EpisodeStatus.CRASHED, f"cannot start {name} ({argv[0]}): {e.strerror or e}") from None
         try:
             code: int | None = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -223,7 +223,7 @@ class Confinement:
     def __init__(self, spec: EpisodeSpec) -> None:
         self.spec, self.mode = spec, spec.sandbox
         if why := sandbox.unavailable(self.mode):
-            raise EpisodeError("crashed", why)
+            raise EpisodeError(EpisodeStatus.CRASHED, why)
 
     def prepare(self, *dirs: Path) -> None:
         """Before a step: in `uid` mode the step's directories become the unprivileged user's, and the
@@ -270,7 +270,7 @@ def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path) -> None:
                             timeout=spec.task.timeout_s)
         if code != 0:
             why = "timed out" if code is None else f"exited {code}"
-            raise EpisodeError("crashed", f"setup {why} (see setup.stderr)")
+            raise EpisodeError(EpisodeStatus.CRASHED, f"setup {why} (see setup.stderr)")
 
 
 def special_files(directory: str, names: list[str]) -> set[str]:
@@ -303,7 +303,7 @@ class VerifyFailed(EpisodeError):
     """The verifier gave no reward; `result` holds its exit code and stderr."""
 
     def __init__(self, result: EpisodeResult, reason: str) -> None:
-        super().__init__("verify_failed", reason)
+        super().__init__(EpisodeStatus.VERIFY_FAILED, reason)
         self.result = result
 
 
@@ -336,7 +336,7 @@ def _classified(result: EpisodeResult, calls: Mapping[str, Any] | None) -> Episo
     """`result` with its failure class (failures.py), the reason saying what decided it."""
     cls = classify(result)
     notes = []
-    if result.status == "timeout" and calls is not None and not answered(calls):
+    if result.status == EpisodeStatus.TIMEOUT and calls is not None and not answered(calls):
         cls = "infra"
         notes.append("no call of it was answered (a slow or stuck engine, or an agent that never called it)")
     if calls is not None and (n := model_output_errors(calls)):
@@ -351,7 +351,7 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = EpisodeResult(episode=spec.episode, task_id=spec.task.id, toolchain=spec.adapter.name,
-                           attempt=spec.attempt, status="ok", reward=None)
+                           attempt=spec.attempt, status=EpisodeStatus.OK, reward=None)
     work, home = Path(spec.workdir), Path(spec.home)
     env = base_env(home, parent)
     calls: CallsAnswer | None = None
@@ -369,22 +369,22 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
         if calls is not None:
             result = replace(result, calls={str(k): int(v) for k, v in calls["statuses"].items()})
             if why := engine_failure(calls):
-                raise EpisodeError("engine_error", why)
+                raise EpisodeError(EpisodeStatus.ENGINE_ERROR, why)
         if code is None:
-            raise EpisodeError("timeout", f"agent killed after {spec.task.timeout_s:g} s")
+            raise EpisodeError(EpisodeStatus.TIMEOUT, f"agent killed after {spec.task.timeout_s:g} s")
         if code != 0:
-            raise EpisodeError("agent_failed", f"agent exited {code} (see agent.stderr)")
+            raise EpisodeError(EpisodeStatus.AGENT_FAILED, f"agent exited {code} (see agent.stderr)")
         result = _verdict(spec, box, parent, out, result)
     except VerifyFailed as e:
         result = replace(e.result, status=e.status, reason=e.reason)
     except EpisodeError as e:
         result = replace(result, status=e.status, reason=e.reason)
     except KeyboardInterrupt:  # SIGINT, or SIGTERM (main): the runner was stopped; no reward for this one
-        result = replace(result, status="crashed", reason="interrupted", failure_class="infra")
+        result = replace(result, status=EpisodeStatus.CRASHED, reason="interrupted", failure_class="infra")
         write_result(out, result)
         return result
     except Exception as e:  # noqa: BLE001 - an episode always ends with a result saying why
-        result = replace(result, status="crashed", reason=f"{type(e).__name__}: {e}")
+        result = replace(result, status=EpisodeStatus.CRASHED, reason=f"{type(e).__name__}: {e}")
     result = _classified(result, calls)
     if result.failure_class is None or policies(spec.on_failure)[result.failure_class] == "zero":
         why = post_reward(spec, result.reward if result.reward is not None else 0.0, result.status,

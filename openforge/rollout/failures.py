@@ -10,14 +10,28 @@ Standard library only: the episode entrypoint imports this.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
+
+
+class EpisodeStatus(StrEnum):
+    """How an episode ended (`EpisodeResult.status`): ok, or the failure it ended in."""
+
+    OK = "ok"
+    AGENT_FAILED = "agent_failed"
+    TIMEOUT = "timeout"
+    CRASHED = "crashed"
+    VERIFY_FAILED = "verify_failed"
+    ENGINE_ERROR = "engine_error"
+
 
 POLICIES = ("zero", "drop")
 CLASSES = ("agent", "timeout", "verifier", "engine", "infra")
 DEFAULT_POLICY = {"agent": "zero", "timeout": "drop", "verifier": "drop", "engine": "drop", "infra": "drop"}
 # status -> class, where nothing more is known (a timeout whose agent got no answer is `infra`: episode.py)
-STATUS_CLASS = {"agent_failed": "agent", "timeout": "timeout", "verify_failed": "verifier",
-                "engine_error": "engine", "crashed": "infra"}
+STATUS_CLASS: dict[str, str] = {EpisodeStatus.AGENT_FAILED: "agent", EpisodeStatus.TIMEOUT: "timeout",
+                                EpisodeStatus.VERIFY_FAILED: "verifier", EpisodeStatus.ENGINE_ERROR: "engine",
+                                EpisodeStatus.CRASHED: "infra"}
 # An engine's 5xx that says it could not parse what the model generated (llama.cpp: a tool call that is not
 # JSON): the model's mistake, so the agent's, not the engine's.
 MODEL_OUTPUT_ERRORS = ("failed to parse tool call", "failed to parse input", "failed to parse arguments")
@@ -48,7 +62,7 @@ def policies(value: str | Mapping[str, str] | None) -> dict[str, str]:
 
 def classify(result: Any) -> str | None:
     """The failure class of an `EpisodeResult` (None when it ended ok): its own, else its status's."""
-    if result.status == "ok":
+    if result.status == EpisodeStatus.OK:
         return None
     return result.failure_class or STATUS_CLASS.get(result.status, "infra")
 

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import yaml
 
 from openforge.rollout.adapters import SECRET_NAME
+from openforge.rollout.failures import EpisodeStatus
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
 
 # Where the pod finds things: the ConfigMap is mounted at SPEC_DIR, the episode's scratch (an emptyDir) at
@@ -465,7 +466,7 @@ def submit(specs: Sequence[EpisodeSpec], options: K8sOptions, *, concurrency: in
         out.mkdir(parents=True, exist_ok=True)
         (out / "pod.log").write_text(log)
         result = result_from_log(log) or EpisodeResult.unrewarded(
-            spec, "timeout" if timeout else "crashed", reason or "the pod printed no result")
+            spec, EpisodeStatus.TIMEOUT if timeout else EpisodeStatus.CRASHED, reason or "the pod printed no result")
         (out / "result.json").write_text(json.dumps(asdict(result), indent=1))
         results[spec.episode] = result
         on_done(result)

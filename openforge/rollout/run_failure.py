@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from openforge.rollout.failures import EpisodeStatus
 from openforge.rollout.spec import EpisodeResult
 
 MAX_CAUSE = 300  # characters of the CLI's own line kept in the message
@@ -19,7 +20,7 @@ MAX_CAUSE = 300  # characters of the CLI's own line kept in the message
 def every_episode_failed(results: Sequence[EpisodeResult], episodes_dir: Path) -> str | None:
     """None if any episode finished `ok` (or there were none); else 'every episode failed (STATUS N, ...):
     REASON; the agent printed: LINE' for the first failed episode."""
-    if not results or any(r.status == "ok" for r in results):
+    if not results or any(r.status == EpisodeStatus.OK for r in results):
         return None
     counts = ", ".join(f"{status} {n}" for status, n in sorted(Counter(r.status for r in results).items()))
     first = results[0]

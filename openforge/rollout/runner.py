@@ -5,10 +5,10 @@ them (here `run_local`: one `python -m openforge.rollout.episode SPEC.json --sec
 episode, `concurrency` at a time), and `summarize` reads only the `EpisodeResult`s. A Kubernetes backend
 runs the same entrypoint in a Job per spec.
 
-Secrets: the runner holds the client and reward tokens (arguments, else $OPENFORGE_CLIENT_TOKEN and
-$OPENFORGE_REWARD_TOKEN) and gives each episode process, on a pipe on its stdin, the client token and that
-episode's reward key (`episode_reward_key`), never the reward token; episode processes inherit neither
-variable.
+Secrets: the runner holds the client and reward tokens, given to `execute` as arguments (`run`, the library
+entry point, defaults them to $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN), and gives each episode
+process, on a pipe on its stdin, the client token and that episode's reward key (`episode_reward_key`), never
+the reward token; episode processes inherit neither variable.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from openforge.processes import signal_group, stop_group
 from openforge.protocols.control import STATUS_PATH, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
-from openforge.rollout.failures import POLICIES, classify, policies
+from openforge.rollout.failures import POLICIES, EpisodeStatus, classify, policies
 from openforge.rollout.sandbox import MODES, unavailable
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
@@ -45,7 +45,6 @@ OnFailure = str | Mapping[str, str]  # failures.policies: "default", "zero", "dr
 
 ON_FAILURE = POLICIES
 BACKENDS = ("local", "k8s")
-STATUSES = ("ok", "agent_failed", "timeout", "crashed", "verify_failed", "engine_error")
 EPISODE_SLACK_S = 120.0  # past its setup's, agent's and verifier's timeouts, the runner kills an episode process
 
 
@@ -125,13 +124,12 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
     An episode process that dies without result.json gets a `crashed` result saying so (no reward posted)."""
     running: set[subprocess.Popen[bytes]] = set()
     lock = threading.Lock()
-    client, reward = tokens(client_token, reward_token)
     env = {k: v for k, v in os.environ.items() if k not in (CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV)}
 
     def one(spec: EpisodeSpec) -> EpisodeResult:
         out = Path(spec.out_dir)
         spec_path = write_spec(spec)
-        key = episode_reward_key(reward, spec.episode) if reward else ""
+        key = episode_reward_key(reward_token, spec.episode) if reward_token else ""
         with open(out / "episode.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "openforge.rollout.episode", str(spec_path),
                                      "--secrets-stdin"], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
@@ -140,7 +138,7 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
             running.add(proc)
         assert proc.stdin is not None
         try:  # two lines, far below a pipe's buffer: the key waits there until the episode reads it
-            proc.stdin.write(f"{client or ''}\n{key}\n".encode())
+            proc.stdin.write(f"{client_token or ''}\n{key}\n".encode())
             proc.stdin.close()
         except OSError:  # the episode process died at once: its result says so below
             pass
@@ -152,7 +150,7 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
             with lock:
                 running.discard(proc)
         result = read_result(spec) or EpisodeResult.unrewarded(
-            spec, "crashed", f"episode process exited {code} without result.json (see episode.log)")
+            spec, EpisodeStatus.CRASHED, f"episode process exited {code} without result.json (see episode.log)")
         on_done(result)
         return result
 
@@ -171,7 +169,7 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
 
 def passed(result: EpisodeResult, threshold: float) -> bool:
     """An attempt passes when it ended ok with a verifier reward >= threshold."""
-    return result.status == "ok" and result.reward is not None and result.reward >= threshold
+    return result.status == EpisodeStatus.OK and result.reward is not None and result.reward >= threshold
 
 
 def counted_reward(result: EpisodeResult, on_failure: OnFailure) -> float | None:
@@ -197,7 +195,7 @@ def group_stats(results: Sequence[EpisodeResult], threshold: float, on_failure: 
         if units else None,
         "pass_all_k": round(sum(all(passed(r, threshold) for r in u) for u in units.values()) / len(units), 6)
         if units else None,
-        "failures": dict(sorted(Counter(r.status for r in results if r.status != "ok").items())),
+        "failures": dict(sorted(Counter(r.status for r in results if r.status != EpisodeStatus.OK).items())),
         "failure_classes": dict(sorted(Counter(c for r in results if (c := classify(r))).items())),
         "seconds": round(sum(seconds), 3),
         "mean_seconds": round(sum(seconds) / len(seconds), 3) if seconds else None,
@@ -230,6 +228,24 @@ class Rollout:
     out: Path
     results: list[EpisodeResult] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+
+
+def write_rollout(rollout: Rollout) -> Rollout:
+    """`out/results.jsonl` (one result a line, spec order) and `out/summary.json`: what `read_rollout` reads."""
+    (rollout.out / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in rollout.results))
+    (rollout.out / "summary.json").write_text(json.dumps(rollout.summary, indent=1))
+    return rollout
+
+
+def read_rollout(out: str | Path) -> Rollout:
+    """The rollout `execute` wrote to `out`; RolloutError when its files are missing or not its format."""
+    out = Path(out)
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        results = [EpisodeResult(**json.loads(x)) for x in (out / "results.jsonl").read_text().splitlines() if x]
+        return Rollout(summary["run_id"], out, results, summary)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise RolloutError(f"{out}: not a finished rollout (results.jsonl, summary.json): {e}") from None
 
 
 def check_proxy(proxy: str, client_token: str | None = None, reward_token: str | None = None,
@@ -318,7 +334,8 @@ def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts:
     """Run planned episodes on `backend` (`k8s`: as Jobs, with `k8s_options`); every result in
     `out/results.jsonl`, the summary in `out/summary.json`. `done`: results of episodes an interrupted
     earlier run of the same rollout finished, counted with the new ones (first). `sandbox`: run them under
-    this mode instead of the planned one. Tokens: module docstring."""
+    this mode instead of the planned one. `client_token`, `reward_token`: what the episodes are given (None:
+    nothing; module docstring)."""
     if sandbox is not None:
         mode = check_sandbox(sandbox, backend)
         specs = [replace(s, sandbox=mode) for s in specs]
@@ -336,9 +353,7 @@ def execute(run_id: str, specs: list[EpisodeSpec], *, out: str | Path, attempts:
     results = [*done, *results]
     summary = summarize(results, run_id=run_id, attempts=attempts, pass_threshold=pass_threshold,
                         on_failure=on_failure, wall_s=time.monotonic() - started)
-    (out / "results.jsonl").write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return Rollout(run_id, out, list(results), summary)
+    return write_rollout(Rollout(run_id, out, list(results), summary))
 
 
 def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter], *, proxy: str, out: str | Path,
@@ -355,6 +370,7 @@ def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter],
                             on_failure=on_failure, fresh_verify_copy=fresh_verify_copy,
                             pass_threshold=pass_threshold, backend=backend, run_id=run_id, sandbox=sandbox,
                             role=role)
+    client_token, reward_token = tokens(client_token, reward_token)
     if backend == "local":
         check_proxy(proxy, client_token, reward_token)
     return execute(run_id, specs, out=out, attempts=attempts, concurrency=concurrency, on_failure=on_failure,

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from openforge.rollout.failures import EpisodeStatus
 from openforge.rollout.spec import Task
 from openforge.rollout.tasks import parse_task
 from openforge.taskforge import cost, prompts
@@ -244,7 +245,7 @@ class Synth:
         except RolloutError as e:
             return Problem("validator_error", str(e))
         results = result.results
-        broken = [r for r in results if r.status == "verify_failed"]
+        broken = [r for r in results if r.status == EpisodeStatus.VERIFY_FAILED]
         if broken:
             r = broken[0]
             return Problem("validator_broken", f"the verify command gave no reward after the validator's attempt: "
