@@ -123,7 +123,9 @@ def proxy_env_problem(base: str) -> str | None:
     parts = urlsplit(base)
     proxies = urllib.request.getproxies_environment()
     proxy = proxies.get(parts.scheme) or proxies.get("all")
-    if not proxy or urllib.request.proxy_bypass_environment(parts.hostname or "", proxies):
+    # proxy_bypass_environment: NO_PROXY as urllib reads it (in the module, not in typeshed's stubs)
+    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
+    if not proxy or bypass(parts.hostname or "", proxies):
         return None
     shown = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
     where = f"{shown.scheme}://{shown.hostname}" + (f":{shown.port}" if shown.port else "")  # no credentials
@@ -134,7 +136,7 @@ def proxy_env_problem(base: str) -> str | None:
 
 def targets(models: list[str], routes: dict[str, Route]) -> list[tuple[str, str, dict[str, Any]]]:
     """(role, engine model id, forced sampling) for each model given and each model a role routes to."""
-    out = [("-", m, {}) for m in models]
+    out: list[tuple[str, str, dict[str, Any]]] = [("-", m, {}) for m in models]
     for role, route in routes.items():
         for engine_model in dict.fromkeys(route.models.values()):
             out.append((role, engine_model, dict(route.sampling)))

@@ -312,8 +312,8 @@ def test_a_reward_that_differs_from_result_json_is_flagged_and_not_trained(tmp_p
     con = duckdb.connect(str(run.db))
     assert con.execute("SELECT episode_id, result_reward, db_reward FROM rl_reward_mismatches ORDER BY 1").fetchall() \
         == [("e2", 0.0, 0.99), ("e4", None, 0.7)]
-    con.execute("CREATE TEMP TABLE s AS SELECT episode_id, 0 AS policy_version FROM episodes")
-    kept = con.execute(f"SELECT episode_id FROM s WHERE {run.selection(0)} ORDER BY 1").fetchall()
+    con.execute("CREATE TEMP TABLE s AS SELECT episode_id, 0 AS policy_version, 1 AS n_trainable FROM episodes")
+    kept = con.execute(f"SELECT episode_id FROM s WHERE {run.selection(0).sql()} ORDER BY 1").fetchall()
     con.close()
     assert kept == [("e1",), ("e3",)]
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from openforge.reconstruct import store
 from openforge.rl.config import load_rl_config
-from openforge.rl.records import ensure_tables
 from openforge.trainer.config import ConfigError, load_config
 from openforge.trainer.data import DataError, SampleSource
 from openforge.trainer.train import lr_factor, train
@@ -83,12 +83,10 @@ def test_an_iteration_with_equal_rewards_everywhere_steps_nothing_and_publishes_
     run = Run(tmp_path / "run", [], fake=("rollout", "reconstruct"))
     run.out.mkdir()
     samples_db(run.db, {"t1": [1.0, 1.0], "t2": [0.0, 0.0]})
-    con = duckdb.connect(str(run.db))
-    ensure_tables(con)
-    con.executemany("INSERT INTO rl_episodes VALUES (0, ?, ?, 'tool-agent', ?, 'ok', ?)",
-                    [(f"{t}-e{k}", t, k, r) for t, rs in {"t1": [1.0, 1.0], "t2": [0.0, 0.0]}.items()
-                     for k, r in enumerate(rs)])
-    con.close()
+    with store.connect(run.db) as con:
+        store.record_rl_iteration(con, 0, [(f"{t}-e{k}", t, "tool-agent", k, "ok", r)
+                                           for t, rs in {"t1": [1.0, 1.0], "t2": [0.0, 0.0]}.items()
+                                           for k, r in enumerate(rs)], [])
     before = tmp_path / "run" / "train" / "checkpoints" / "step_000002"
     before.mkdir(parents=True)
     (before / "config.json").write_text("{}")
@@ -123,14 +121,13 @@ def test_the_loop_warms_up_by_default():
     (True, {}, "bf16-autocast"),  # AVX512-BF16 / AMX: bf16 matmuls are native, several times faster
     (False, {}, "fp32"),  # the trainer's own choice on CPU
     (True, {"train.precision": "fp32"}, "fp32"),  # what the user set stays
+    (True, {"train.cpu_bf16": "false"}, "fp32"),  # the loop's bf16 wish turned off
 ])
 def test_the_loop_trains_in_bf16_where_the_cpu_has_it(tmp_path, monkeypatch, native, sets, expected):
     """The loop asks for bf16 on CPUs with native bf16 (`cpu_bf16`); the trainer decides, and logs, the rest."""
-    import openforge.rl.training as training
     from openforge.trainer import dist
 
     monkeypatch.setattr(dist, "cpu_has_bf16", lambda: native)
-    monkeypatch.setattr(training, "cpu_has_bf16", lambda: native)
     run = Run(tmp_path / "run", [], sets={"train.device": "cpu", **sets})
     run._base_model = tmp_path / "model"  # the starting weights, never converted here
     assert dist.resolve_precision(run.trainer_config(), torch.device("cpu"))[0] == expected

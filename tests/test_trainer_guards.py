@@ -226,11 +226,9 @@ def test_trainer_state_loads_without_pickled_code(two_steps):
 
 def loop_train(tmp_path: Path, model: Path, rows: list[dict]) -> list[dict]:
     """`openforge rl`'s train stage for iteration 0 on these samples (their episodes that iteration's)."""
-    import duckdb
-
+    from openforge.reconstruct import store
     from openforge.rl.config import load_rl_config
     from openforge.rl.loop import RLRun
-    from openforge.rl.records import RL_EPISODES
 
     cfg = load_rl_config(sets={"engine.backend": "vllm", "engine.model": str(model), "train.steps": "1",
                                "train.step_tokens": "160", "train.row_tokens": "160", "train.device": "cpu",
@@ -238,11 +236,9 @@ def loop_train(tmp_path: Path, model: Path, rows: list[dict]) -> list[dict]:
     run = RLRun(cfg, tmp_path / "rl", Console(file=open(os.devnull, "w")))
     run.out.mkdir()
     run.db = write_samples(tmp_path / "rl.duckdb", rows)
-    con = duckdb.connect(str(run.db))
-    con.execute(RL_EPISODES)
-    con.executemany("INSERT INTO rl_episodes VALUES (0, ?, 'task1', 'test', 1, 'ok', 1.0)",
-                    [[e] for e in sorted({r["episode_id"] for r in rows})])
-    con.close()
+    with store.connect(run.db) as con:
+        store.record_rl_iteration(con, 0, [(e, "task1", "test", 1, "ok", 1.0)
+                                           for e in sorted({r["episode_id"] for r in rows})], [])
     run.train(0)
     return [json.loads(x) for x in (run.train_out / "metrics.jsonl").read_text().splitlines()]
 

@@ -17,16 +17,19 @@ from rich.console import Console
 
 from openforge.engine import EngineError
 from openforge.processes import write_secret
+from openforge.protocols.control import ControlClient
 from openforge.rl.config import RLConfig, load_rl_config
 from openforge.rl.errors import RLError
 from openforge.rl.lock import RunLock
-from openforge.rl.services import ControlAPI, Policy, ProxyProcess
+from openforge.rl.services import Policy, ProxyProcess
 from openforge.rl.state import State
 from openforge.rl.tasks import check_tasks
 from openforge.rollout.runner import Rollout, RolloutError, read_rollout
 from openforge.tracking import Trackers
 
 if TYPE_CHECKING:
+    from openforge.reconstruct.renderer import Renderer
+    from openforge.samples import Selection
     from openforge.trainer.train import Trainer
 
 
@@ -58,7 +61,8 @@ class RunBase:
         self.trackers: Trackers | None = None
         self.policy: Policy | None = None
         self.proxy: ProxyProcess | None = None
-        self.control: ControlAPI | None = None
+        self.control: ControlClient | None = None
+        self.renderer: Renderer | None = None  # the tokenizer and template reconstruct renders with
         self.trainer: Trainer | None = None  # loaded by the first stage that needs it, kept for the run
         self.trainer_thread: threading.Thread | None = None  # async mode: the pass beside the rollout
         self._resolve_models()
@@ -93,6 +97,7 @@ class RunBase:
         return self._base_model
 
     def tokenizer(self) -> Any:
+        """What reconstruct tokenizes with: `reconstruct.tokenizer`, else the tokenizer of the served model."""
         r = self.cfg.reconstruct
         if r.tokenizer:
             return r.tokenizer
@@ -157,12 +162,11 @@ class RunBase:
             raise RLError(f"the engine died and did not restart: {e}") from None
         return True
 
-    def selection(self, i: int) -> str:
+    def selection(self, i: int) -> Selection:
         """The samples iteration i trains on: its window's rollout episodes, at the versions that ran them."""
-        lo = max(0, i - self.cfg.loop.window + 1)
-        return (f"policy_version BETWEEN {lo} AND {i} AND episode_id IN "
-                f"(SELECT episode_id FROM rl_episodes WHERE iteration BETWEEN {lo} AND {i}) AND episode_id NOT IN "
-                f"(SELECT episode_id FROM rl_reward_mismatches)")
+        from openforge.samples import rl_window
+
+        return rl_window(i, self.cfg.loop.window)
 
     def trains_on(self, i: int) -> int | None:
         """The iteration whose rollouts iteration i trains on: its own (sync), or the one before (async: they

@@ -39,18 +39,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import duckdb
 from rich.console import Console
 
 from openforge.processes import non_dumpable, read_secret
+from openforge.protocols.control import ControlClient
 from openforge.rl.config import RLConfig
 from openforge.rl.episodes import Rollouts
 from openforge.rl.errors import RLError
 from openforge.rl.lock import RunLock, RunLocked
 from openforge.rl.pruning import prune_checkpoints, prune_policies
-from openforge.rl.records import ensure_tables, reward_mismatches
+from openforge.rl.records import reward_mismatches
 from openforge.rl.report import UNTRACKED, Report, keep_lines_before, percent, plot, read_lines
-from openforge.rl.services import ControlAPI, LlamaCppPolicy, Policy, ProxyProcess, VllmPolicy, proxy_routes
+from openforge.rl.services import LlamaCppPolicy, Policy, ProxyProcess, VllmPolicy, proxy_routes
 from openforge.rl.services import publish as publish_weights
 from openforge.rl.state import Stage
 from openforge.rl.training import Training
@@ -105,8 +105,7 @@ class RLRun(Rollouts, Training, Report):
                                  policy_version=self.state.version,
                                  pause_timeout=self.cfg.proxy.pause_timeout)
             self.proxy = stack.enter_context(proxy)
-            self.control = ControlAPI(self.proxy.url, self.reward_token)
-            stack.callback(self.control.close)
+            self.control = ControlClient(self.proxy.url, self.reward_token, timeout=60)
             self.console.print(f"engine {policy.url} ({policy.profile}, policy version {self.state.version}), "
                                f"proxy {self.proxy.url}, flows in {self.flow_dir}")
             yield
@@ -122,6 +121,7 @@ class RLRun(Rollouts, Training, Report):
             self.take_lock()  # a directory that did not exist yet at set-up
             (self.out / "rl.toml").write_text(self.cfg.to_toml())
             self.state.save(self.state_path)
+            self.migrate_db()
             self.open_trackers()
             silence_loading_bars()  # transformers' per-load bars between the loop's lines
             with self.services():
@@ -137,6 +137,18 @@ class RLRun(Rollouts, Training, Report):
         lines = read_lines(self.out / "rl.jsonl")
         plot(lines, self.out / "rl.png", read_lines(self.eval_path))
         return lines
+
+    def migrate_db(self) -> None:
+        """A resumed run's DuckDB at this OpenForge's schema version before any stage reads it (a run resumed
+        at its train stage reaches the trainer, which reads only this version, before reconstruct would)."""
+        if not self.db.exists():
+            return
+        from openforge.reconstruct import store
+
+        try:
+            store.connect(self.db).close()
+        except ValueError as e:
+            raise RLError(str(e)) from None
 
     def open_trackers(self) -> None:
         """The experiment trackers of [tracking] under DIR/tracking (docs/tracking.md); none: nothing."""
@@ -212,13 +224,15 @@ class RLRun(Rollouts, Training, Report):
     def reconstruct(self, i: int) -> None:
         """The new flow records into the run's DuckDB; the iteration's episodes into `rl_episodes`."""
         from openforge.reconstruct import reconstruct
+        from openforge.reconstruct.renderer import load_renderer
 
         r = self.cfg.reconstruct
         started = time.monotonic()  # the whole stage: the tokenizer's loading and the reward checks too
         with self.console.status("reconstruct: flow files -> samples"):
-            summary = reconstruct([self.flow_dir], self.db, self.tokenizer(), run=self.state.run_id,
+            if self.renderer is None:  # loaded once a run: the same tokenizer and template every iteration
+                self.renderer = load_renderer(self.tokenizer(), r.chat_template or None)
+            summary = reconstruct([self.flow_dir], self.db, self.renderer, run=self.state.run_id,
                                   advantage=r.advantage, group_by=r.group_by, train_roles=r.train_roles,
-                                  chat_template=r.chat_template or None,
                                   flow_key=read_secret(self.secrets / "flow.key").encode())
             self.record_episodes(i)
         self.console.print(f"  reconstruct: {summary.calls} new calls, {summary.samples} samples rebuilt "
@@ -227,18 +241,14 @@ class RLRun(Rollouts, Training, Report):
     def record_episodes(self, i: int) -> None:
         """The iteration's results into `rl_episodes`; each checked against the reward reconstruct stored
         for it: a mismatch goes to `rl_reward_mismatches` (left out of training) and gets a warning."""
+        from openforge.reconstruct import store
+
         results = self.rollout_of(i).results
-        con = duckdb.connect(str(self.db))
+        con = store.connect(self.db)
         try:
-            ensure_tables(con)
-            con.execute("DELETE FROM rl_episodes WHERE iteration = ?", [i])
-            con.executemany("INSERT INTO rl_episodes VALUES (?, ?, ?, ?, ?, ?, ?)",
-                            [(i, x.episode, x.task_id, x.toolchain, x.attempt, x.status, x.reward)
-                             for x in results])
             found = reward_mismatches(con, results)
-            con.execute("DELETE FROM rl_reward_mismatches WHERE iteration = ?", [i])
-            if found:  # executemany refuses an empty list
-                con.executemany("INSERT INTO rl_reward_mismatches VALUES (?, ?, ?, ?)", [(i, *m) for m in found])
+            store.record_rl_iteration(con, i, [(x.episode, x.task_id, x.toolchain, x.attempt, x.status, x.reward)
+                                               for x in results], found)
         finally:
             con.close()
         if found:

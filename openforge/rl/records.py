@@ -1,5 +1,5 @@
-"""The run's own tables in its DuckDB: `rl_episodes` (which rollout episodes each iteration ran) and
-`rl_reward_mismatches` (episodes whose reward in DuckDB is not the one their result.json says they posted:
+"""What the run checks of its episodes' rewards: the reward each posted, against the one reconstruct stored
+(a mismatch goes to table `rl_reward_mismatches`, written by `reconstruct.store.record_rl_iteration`, and is
 left out of training)."""
 
 from __future__ import annotations
@@ -8,17 +8,7 @@ import duckdb
 
 from openforge.rollout.spec import EpisodeResult
 
-RL_EPISODES = """CREATE TABLE IF NOT EXISTS rl_episodes (
-    iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, task_id VARCHAR, toolchain VARCHAR,
-    attempt INTEGER, status VARCHAR NOT NULL, reward DOUBLE)"""
-RL_MISMATCHES = """CREATE TABLE IF NOT EXISTS rl_reward_mismatches (
-    iteration INTEGER NOT NULL, episode_id VARCHAR NOT NULL, result_reward DOUBLE, db_reward DOUBLE)"""
 REWARD_TOLERANCE = 1e-9
-
-
-def ensure_tables(con: duckdb.DuckDBPyConnection) -> None:
-    con.execute(RL_EPISODES)
-    con.execute(RL_MISMATCHES)
 
 
 def posted_reward(result: EpisodeResult) -> float | None:

@@ -8,8 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import duckdb
-
 from openforge.rl.base import RunBase
 from openforge.rollout.spec import EpisodeResult
 
@@ -30,17 +28,19 @@ class Report(RunBase):
         s = self.state
         metrics = [m for m in read_lines(self.train_out / "metrics.jsonl")
                    if s.train_start_step < m["step"] <= s.train_end_step] if self.trained() else []
-        con = duckdb.connect(str(self.db), read_only=True)
+        from openforge.samples import connect
+
+        con = connect(self.db)
         try:
             [(samples, trainable)] = con.execute(
-                f"SELECT count(*), coalesce(sum(n_trainable), 0) FROM samples WHERE n_trainable > 0 AND "
-                f"{self.selection(i)} AND policy_version = {i}").fetchall()
+                f"SELECT count(*), coalesce(sum(n_trainable), 0) FROM samples WHERE "
+                f"{self.selection(i).sql()} AND policy_version = {i}").fetchall()
             [(mismatches,)] = con.execute("SELECT count(*) FROM rl_reward_mismatches WHERE iteration = ?",
                                           [i]).fetchall()
             source = self.trains_on(i)
             [(stale_max, stale_mean)] = con.execute(
-                f"SELECT max({i} - policy_version), avg({i} - policy_version) FROM samples WHERE n_trainable > 0 "
-                f"AND {self.selection(source)}").fetchall() if source is not None else [(None, None)]
+                f"SELECT max({i} - policy_version), avg({i} - policy_version) FROM samples WHERE "
+                f"{self.selection(source).sql()}").fetchall() if source is not None else [(None, None)]
         finally:
             con.close()
         return {

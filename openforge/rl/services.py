@@ -74,14 +74,6 @@ class ProxyProcess:
             child.stop(signal.SIGINT, 15)
 
 
-class ControlAPI(ControlClient):
-    """The loop's name for `ControlClient` (with its reward token), with a `close` the loop calls: each
-    request opens its own connection, so there is nothing to close."""
-
-    def close(self) -> None:
-        pass
-
-
 def proxy_routes(cfg: RLConfig, greedy: bool = False) -> dict[str, Any]:
     """Every policy role's calls go to the engine's model with the RL sampling (docs/addon.md, routing);
     `greedy`: the most likely token at every step instead (evaluation)."""

@@ -9,28 +9,14 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import duckdb
+from typing import TYPE_CHECKING
 
 from openforge.rl.base import RunBase
 from openforge.rl.errors import RLError
-from openforge.rl.records import ensure_tables
 
 if TYPE_CHECKING:
     from openforge.trainer.config import TrainConfig
     from openforge.trainer.train import Selection, Trainer
-
-
-def cpu_has_bf16() -> bool:
-    """AVX512-BF16 or AMX: without them bf16 matmuls are emulated and several times slower than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
 
 
 class Training(RunBase):
@@ -46,15 +32,10 @@ class Training(RunBase):
         return self.trainer
 
     def trainer_config(self) -> TrainConfig:
-        """The resident trainer's settings: [train] over the loop's defaults. On a CPU with native bf16 matmuls
-        (AVX512-BF16, AMX) `precision = "auto"` is bf16-autocast, several times faster there than fp32; in async
-        mode the steps print as lines (the rollout's progress bar is on screen)."""
-        import torch
-
+        """The resident trainer's settings: [train] over the loop's defaults (`TRAIN_DEFAULTS` sets `cpu_bf16`:
+        bf16-autocast on a CPU with native bf16 matmuls, decided by the trainer); in async mode the steps print
+        as lines (the rollout's progress bar is on screen)."""
         cfg = self.cfg.train_config(str(self.db), str(self.base_model), str(self.train_out), "")
-        cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-        if cfg.precision == "auto" and cpu and cpu_has_bf16():
-            cfg = dataclasses.replace(cfg, precision="bf16-autocast")
         return dataclasses.replace(cfg, progress=False) if self.cfg.loop.mode == "async" else cfg
 
     def close_trainer(self) -> None:
@@ -77,7 +58,6 @@ class Training(RunBase):
                                f"({type(e).__name__}: {e}); --resume trains from the newest checkpoint")
         finally:
             trainer.close()
-
 
     def train(self, i: int) -> None:
         """The train stage: policy-gradient steps in the resident trainer (`train_pass`). In async mode the
@@ -104,13 +84,10 @@ class Training(RunBase):
         if source is None:
             s.skipped_train = "async mode: the first iteration has no earlier rollouts to train on"
             return None
-        con = duckdb.connect(str(self.db))
-        try:
-            ensure_tables(con)  # a run an older OpenForge started has no rl_reward_mismatches
-        finally:
-            con.close()
+        from openforge.trainer.data import nothing_to_learn
+
         where = self.selection(source)
-        s.skipped_train = nothing_to_learn(self.db, where, self.cfg.train_config("", "", "", where))
+        s.skipped_train = nothing_to_learn(self.db, where, self.cfg.train_config("", "", "", where.sql()))
         if s.skipped_train:
             self.console.print(f"  [yellow]nothing to learn[/]: {s.skipped_train}; no optimizer step, the engine "
                                f"keeps serving the same weights")
@@ -191,32 +168,3 @@ class Training(RunBase):
         if failed:
             raise failed[0]
         self.checkpoint_if_due(i)
-
-
-
-def nothing_to_learn(db: Path, where: str, cfg: Any) -> str:
-    """Why the trainer would select nothing from the samples `where` selects (`cfg`: its TrainConfig): no
-    trainable sample, every group with equal rewards (advantage 0 everywhere), or the dynamic group filter
-    keeping none; "" when there is something to learn."""
-    from openforge.trainer.data import GROUP_KEY, selection_filter
-
-    ppo = cfg.objective == "ppo"
-    chosen = selection_filter(where, ppo and not cfg.keep_zero_advantage, cfg.group_filter if ppo else "none",
-                              cfg.seed)
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        [(selected,)] = con.execute(f"SELECT count(*) FROM samples WHERE {chosen}").fetchall()
-        [(groups, equal)] = con.execute(
-            f"SELECT count(*), count(*) FILTER (NOT learns) FROM (SELECT {GROUP_KEY}, coalesce(bool_or(advantage "
-            f"<> 0), false) AS learns FROM samples WHERE n_trainable > 0 AND ({where}) GROUP BY ALL)").fetchall()
-    finally:
-        con.close()
-    if selected:
-        return ""
-    if not groups:
-        return "no trainable samples in this iteration's episodes"
-    if equal == groups and ppo and not cfg.keep_zero_advantage:
-        return f"every group had equal rewards ({groups} group{'s' * (groups != 1)})"
-    return f"group_filter = {cfg.group_filter} kept none of {groups} groups ({equal} with equal rewards)"
-
-
