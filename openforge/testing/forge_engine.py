@@ -15,8 +15,8 @@ import sys
 from typing import Any
 
 from openforge.taskforge import prompts
-from tests.support.scripted_engine import Conversation, Reply, content_text
-from tests.support.toolchain_engine import ToolchainEngine
+from openforge.testing.scripted_engine import Conversation, Reply, content_text
+from openforge.testing.toolchain_engine import ToolchainEngine
 
 PY = sys.executable
 AMBIGUOUS_MARK = "whichever"

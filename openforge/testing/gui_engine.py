@@ -22,8 +22,8 @@ from typing import Any
 from PIL import Image
 
 from openforge.examples.gui import COLORS
-from tests.support.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
-from tests.support.vision import expand_pads
+from openforge.testing.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
+from openforge.testing.vision import expand_pads
 
 FINAL = "Done."
 _DATA_URL = re.compile(r"^data:image/[a-z]+;base64,(.*)$", re.S)

@@ -1,7 +1,7 @@
 """A hostile agent: a `custom:` toolchain that tries every way the policy under training could set its own
 reward, and writes what each try got to `attacks.json` in its workspace (docs/security.md).
 
-    python tests/support/hostile_agent.py --base-url URL --key KEY [--engine-url URL]
+    python openforge/testing/hostile_agent.py --base-url URL --key KEY [--engine-url URL]
 
 It makes one honest LLM call (so its episode has a sample whose reward can be checked), solves nothing, and
 then, as the same user as `openforge rl`: reads every process's environment and command line for secrets,

@@ -1,4 +1,4 @@
-"""Session-scoped fixtures for the reconstruct tests, registered for every test module by `tests/conftest.py`.
+"""Session-scoped fixtures for the reconstruct tests, imported by the conftests of the folders that use them.
 
 Loading the Qwen3 tokenizer costs seconds (more on a loaded machine); every reconstruct test module
 shares the one `load_tokenizer` caches, and one `Retokenizer` whose segment cache is safe to share
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.reconstruct_flows import qwen_retokenizer, qwen_tokenizer
+from openforge.testing.reconstruct_flows import qwen_retokenizer, qwen_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.support.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
+from openforge.testing.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 

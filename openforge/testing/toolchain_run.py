@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from openforge.addons.flowfile import expand_paths, open_flow_file
-from tests.support.scripted_engine import Conversation, Reply
-from tests.support.toolchain_engine import ToolchainEngine
+from openforge.testing.scripted_engine import Conversation, Reply
+from openforge.testing.toolchain_engine import ToolchainEngine
 from toolchains import run as toolchains
 
 MARKER = "openforge_marker_7f3a.txt"

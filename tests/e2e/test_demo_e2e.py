@@ -16,7 +16,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +92,6 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
         assert reward is not None and advantage is not None and source in ("engine", "mixed", "retokenized")
     assert sum(source == "mixed" for *_, source in rows) > len(rows) // 2
 
-    from tests.support.notebooks import execute_rl_notebook
+    from openforge.testing.notebooks import execute_rl_notebook
 
     execute_rl_notebook(out)

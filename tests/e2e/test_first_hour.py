@@ -24,7 +24,7 @@ import typer
 from openforge.cli import app
 from openforge.processes import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
 FIRST_BLOCK = ("make demo   # sets up .venv (CPU torch, everything pinned) and runs the end-to-end demo on the "
@@ -192,7 +192,7 @@ def test_demo_proxy_log_has_the_call_lines(tmp_path: Path) -> None:
     import httpx
 
     from openforge.rl.services import ProxyProcess
-    from tests.support.scripted_engine import ScriptedEngine
+    from openforge.testing.scripted_engine import ScriptedEngine
 
     with ScriptedEngine(profile="llamacpp") as eng, ProxyProcess(eng.url, tmp_path / "flows", tmp_path / "proxy.log",
                                                                  profile="llamacpp", routes={}) as proxy:

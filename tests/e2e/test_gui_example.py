@@ -22,8 +22,8 @@ from openforge.examples.gui import CELL, COLORS, SIZE, TASKS, GuiTask, after_cli
 from openforge.examples.gui_agent import run_episode
 from openforge.rollout import run
 from openforge.rollout.tasks import read_tasks
-from tests.conftest import ROOT
-from tests.support.gui_engine import FINAL, GuiEngine
+from openforge.testing import ROOT
+from openforge.testing.gui_engine import FINAL, GuiEngine
 
 CLIENT = "client-token-gui-0123456789"
 REWARD = "reward-token-gui-0123456789"

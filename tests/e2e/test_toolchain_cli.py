@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.reconstruct_flows import qwen_retokenizer, trainable_segments
-from tests.support.toolchain_run import MARKER, CliRun, RecordingEngine, run_cli
+from openforge.testing.reconstruct_flows import qwen_retokenizer, trainable_segments
+from openforge.testing.toolchain_run import MARKER, CliRun, RecordingEngine, run_cli
 from toolchains import run as toolchains
 
 pytestmark = pytest.mark.slow
@@ -135,7 +135,7 @@ def test_install_check_fails_when_a_cli_is_missing(tmp_path: Path) -> None:
     import os
     import subprocess
 
-    script = Path(__file__).resolve().parent.parent / "toolchains" / "install.sh"
+    script = Path(__file__).resolve().parents[2] / "toolchains" / "install.sh"
     done = subprocess.run(["bash", str(script), "--check"], capture_output=True,
                           text=True, env={**os.environ, "OPENFORGE_TOOLS_DIR": str(tmp_path)}, timeout=60)
     assert done.returncode == 1, done.stdout + done.stderr

@@ -22,11 +22,11 @@ from openforge.cli import app
 from openforge.examples.gui import GuiTask, after_click, score
 from openforge.examples.gui_agent import run_episode
 from openforge.reconstruct.tokenize import load_tokenizer
+from openforge.testing.gui_engine import GuiEngine
+from openforge.testing.reconstruct_flows import db_rows
+from openforge.testing.vision import image_processor, pad_runs, qwen3_vl_chat_template, tiny_vl_model_dir
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.train import train
-from tests.support.gui_engine import GuiEngine
-from tests.support.reconstruct_flows import db_rows
-from tests.support.vision import image_processor, pad_runs, qwen3_vl_chat_template, tiny_vl_model_dir
 
 
 @pytest.fixture(scope="module")

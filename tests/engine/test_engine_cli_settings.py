@@ -14,7 +14,7 @@ import pytest
 
 from openforge.engine import EmbeddedEngine, EngineError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Healthy(http.server.BaseHTTPRequestHandler):

@@ -19,7 +19,7 @@ from openforge.processes import write_secret
 from openforge.vllm_engine import VllmEngine
 from openforge.vllm_launcher import KeyRequired
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "engine-key-0123456789abcdef"
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
 

@@ -111,7 +111,7 @@ def test_engine_llamacpp_cli_ready_and_sigterm(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
         [sys.executable, "-m", "openforge.cli", "engine", "--port", "0", "--threads", "1",
          "--log", str(tmp_path / "e.log")],
@@ -138,7 +138,7 @@ def test_engine_llamacpp_cli_bad_gguf(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-m", "openforge.cli", "engine", "--gguf", str(tmp_path / "nope.gguf")],
                           cwd=root, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "GGUF file not found" in done.stderr and "Traceback" not in done.stderr

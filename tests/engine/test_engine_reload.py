@@ -1,6 +1,6 @@
 """`openforge engine reload` without vLLM: a stdlib HTTP server plays the engine (vLLM in development mode,
 vLLM without it, llama.cpp, a server that answers 404 to everything). The reload on the real server, whose
-logprobs change with the checkpoint: tests/test_engine_vllm.py."""
+logprobs change with the checkpoint: tests/engine/test_engine_vllm.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from openforge.processes import free_port
-from tests.conftest import ROOT
+from openforge.testing import ROOT
 
 RELOAD = ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
 

@@ -34,8 +34,8 @@ import pytest
 
 from openforge.addons.flowfile import open_flow_file
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
+from openforge.testing import ROOT
 from openforge.vllm_engine import VLLM_VENV
-from tests.conftest import ROOT
 
 pytestmark = [
     pytest.mark.vllm,

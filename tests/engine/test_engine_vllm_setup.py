@@ -13,7 +13,7 @@ from openforge import vllm_engine
 from openforge.engine import EngineError
 from openforge.vllm_engine import VllmEngine, gpu_command
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from openforge.commands import preflight as preflight_cmd
 from openforge.preflight import Preflight
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing.scripted_engine import ScriptedEngine
 
 KEY = "sk-right-key-0123456789"
 CLEAN_ENV = {"OPENFORGE_UPSTREAM_URL": "", "OPENFORGE_UPSTREAM_KEY": "", "OPENFORGE_MODELS": ""}

@@ -19,8 +19,8 @@ import pytest
 
 from openforge.reconstruct import reconstruct
 from openforge.replay import ReplayIndex, ReplayServer, drive, load_exchanges
-from tests.support.reconstruct_flows import qwen_retokenizer
-from tests.support.toolchain_engine import ToolchainEngine
+from openforge.testing.reconstruct_flows import qwen_retokenizer
+from openforge.testing.toolchain_engine import ToolchainEngine
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a shell command", "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from openforge.replay import ReplayIndex, ReplayServer, drive, load_exchanges, prefix_ratio
-from tests.support.toolchain_flows import chat_stream_events, exchange, sse, write_trace
+from openforge.testing.toolchain_flows import chat_stream_events, exchange, sse, write_trace
 
 
 def trace(tmp_path: Path, name: str, texts: list[str]) -> Path:

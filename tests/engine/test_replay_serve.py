@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from openforge.replay import ReplayIndex, ReplayServer, conversation, load_exchanges
-from tests.support.toolchain_flows import chat_stream_events, exchange, sse, write_trace
+from openforge.testing.toolchain_flows import chat_stream_events, exchange, sse, write_trace
 
 SYSTEM = {"role": "system", "content": "You are a shell agent."}
 USER = {"role": "user", "content": "List the files."}

@@ -11,7 +11,7 @@ import pytest
 
 from openforge.replay import ReplayIndex, ReplayServer, load_exchanges, protocol_of_path, recorded_answer
 
-TRACES = Path(__file__).resolve().parent.parent / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 TOOLCHAINS = ("claude-code", "codex", "qwen-code", "mini-swe-agent")
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from openforge.addons.flowfile import open_flow_file
 from openforge.addons.translate import TranslationError, request_to_chat, response_from_chat, stream_translator
-from tests.support.translate_engine import parse_sse, sse, tool_call_deltas, translate_all, vllm_chunks
+from openforge.testing.translate_engine import parse_sse, sse, tool_call_deltas, translate_all, vllm_chunks
 
 pytestmark = pytest.mark.addon
 
@@ -132,7 +132,7 @@ def test_computer_use_through_mitmdump_with_the_anthropic_sdk(start_proxy: Any) 
     `invalid_request_error` the SDK raises as such. The flow file holds the client's base64 and the
     engine's data URL."""
     from openforge.examples.gui import GuiTask
-    from tests.support.gui_engine import FINAL, GuiEngine
+    from openforge.testing.gui_engine import FINAL, GuiEngine
 
     task = GuiTask(0)
     png_b64 = base64.b64encode(task.screenshot()).decode()

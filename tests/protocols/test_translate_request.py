@@ -16,7 +16,7 @@ from openforge.addons.translate import (
     needs_translation,
     request_to_chat,
 )
-from tests.support.translate_engine import load_request
+from openforge.testing.translate_engine import load_request
 
 pytestmark = pytest.mark.addon
 

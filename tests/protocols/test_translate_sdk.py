@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from openforge.addons.translate import error_body, request_to_chat, response_from_chat, stream_translator
-from tests.support.translate_engine import sse, tool_call_deltas, vllm_chunks
+from openforge.testing.translate_engine import sse, tool_call_deltas, vllm_chunks
 
 pytestmark = pytest.mark.addon
 

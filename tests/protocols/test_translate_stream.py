@@ -14,7 +14,7 @@ from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 
 from openforge.addons.translate import TranslationError, request_to_chat, response_from_chat, stream_translator
-from tests.support.translate_engine import (
+from openforge.testing.translate_engine import (
     ENGINE_ONLY_FIELDS,
     llamacpp_chunks,
     load_request,

@@ -13,7 +13,7 @@ from mitmproxy.test import taddons
 from openforge.addons import options
 from openforge.addons.flowfile import expand_paths, open_flow_file
 from openforge.addons.proxy import OpenForge
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
 

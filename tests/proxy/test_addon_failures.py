@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from openforge.addons.flowfile import expand_paths, open_flow_file
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
 

@@ -18,7 +18,7 @@ import pytest
 
 from openforge.addons.flowfile import expand_paths, open_flow_file
 from openforge.protocols.reward_keys import episode_reward_key
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
 
@@ -226,7 +226,7 @@ def test_the_addon_makes_its_process_non_dumpable() -> None:
     code = ("import ctypes; from openforge.addons import secrecy; assert secrecy.make_nondumpable(); "
             "print(ctypes.CDLL(None).prctl(secrecy.PR_GET_DUMPABLE, 0, 0, 0, 0))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parents[1], check=True)
+                         cwd=Path(__file__).resolve().parents[2], check=True)
     assert out.stdout.strip() == "0"
 
 

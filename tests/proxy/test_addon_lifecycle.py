@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from openforge.addons.flowfile import expand_paths, open_flow_file
-from tests.conftest import ROOT, free_port
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.processes import free_port
+from openforge.testing import ROOT
+from openforge.testing.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from openforge.addons import options
-from tests.support.control_api import CLIENT_TOKEN, REWARD_TOKEN, TOKENS_ENV, bearer, exchanges
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing.control_api import CLIENT_TOKEN, REWARD_TOKEN, TOKENS_ENV, bearer, exchanges
+from openforge.testing.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.addon
 

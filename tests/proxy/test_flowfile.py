@@ -125,7 +125,7 @@ def test_read_header_reads_the_header_alone_and_names_what_is_not_one(tmp_path: 
 
 def test_record_types_name_every_field_of_the_format_doc() -> None:
     """The TypedDicts and docs/flow-format.md list the same fields, record by record."""
-    doc = (Path(__file__).parents[1] / "docs" / "flow-format.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "flow-format.md").read_text()
     sections = {"Header record": flowfile.FileHeader, "Exchange record": flowfile.ExchangeRecord,
                 "Reward record": flowfile.RewardRecord, "Refused reward record": flowfile.RefusedRewardRecord}
     for title, typ in sections.items():

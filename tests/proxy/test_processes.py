@@ -96,7 +96,7 @@ def test_stop_ends_the_whole_group_even_when_it_ignores_sigint_and_sigterm(tmp_p
 
 def test_one_mitmdump_command_line(tmp_path: Path) -> None:
     args = mitmdump_command(8080, mode="reverse:http://127.0.0.1:8000", sets=["flow_detail=0"])
-    assert Path(args[0]).name == "mitmdump" and args[1:3] == ["-s", str(Path(__file__).parents[1] / "addons" /
+    assert Path(args[0]).name == "mitmdump" and args[1:3] == ["-s", str(Path(__file__).parents[2] / "addons" /
                                                                        "openforge.py")]
     assert args[3:] == ["--listen-host", "127.0.0.1", "-p", "8080", "--mode", "reverse:http://127.0.0.1:8000",
                         "--set", "flow_detail=0"]
@@ -115,7 +115,7 @@ def test_a_non_dumpable_process_hides_its_environment_from_the_same_user() -> No
     /proc/<pid>/environ (as root both run as nobody, since root reads any process)."""
     import os
 
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
     python = runnable_python(drop)
     hold = "from openforge.processes import non_dumpable; non_dumpable(); print('ready', flush=True); input()"

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.scripted_engine import FINAL_TEXT, ByteTokenizer, ScriptedEngine, render_tool_call
+from openforge.testing.scripted_engine import FINAL_TEXT, ByteTokenizer, ScriptedEngine, render_tool_call
 
 BASH = {
     "type": "function",

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from openforge.reconstruct import reconstruct
-from tests.support.reconstruct_flows import BASH, db_rows, trainable_segments
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing.reconstruct_flows import BASH, db_rows, trainable_segments
+from openforge.testing.scripted_engine import ScriptedEngine
 
 
 @pytest.mark.parametrize("stream", [True])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from openforge.reconstruct import reconstruct
-from tests.support.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
+from openforge.testing.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
 
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Find the test files"}]
 

@@ -28,8 +28,8 @@ from typer.testing import CliRunner
 from openforge.addons.flowfile import pack
 from openforge.reconstruct import Summary, reconstruct, store
 from openforge.reconstruct.protocols import sse_events
-from tests.support.reconstruct_flows import BASH, db_rows, qwen_path
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing.reconstruct_flows import BASH, db_rows, qwen_path
+from openforge.testing.scripted_engine import ScriptedEngine
 
 FILE_LEVEL = ("corrupt_file", "torn_record", "unreadable_file")
 FieldPath = tuple[Any, ...]

@@ -104,7 +104,7 @@ def test_reconstruct_reads_mitmproxy_w_files(tmp_path):
     from mitmproxy.test import tflow
 
     from openforge.reconstruct import reconstruct
-    from tests.support.reconstruct_flows import db_rows, qwen_retokenizer
+    from openforge.testing.reconstruct_flows import db_rows, qwen_retokenizer
 
     messages = [{"role": "user", "content": "hi"}]
     with open(tmp_path / "capture.mitm", "wb") as fh:
@@ -133,7 +133,7 @@ def test_reconstruct_reads_mitmproxy_w_files(tmp_path):
 def test_reconstruct_cli_and_stats(tmp_path):
     from openforge.commands import reconstruct as reconstruct_cmd
     from openforge.commands import stats as stats_cmd
-    from tests.support.reconstruct_flows import FlowFactory, qwen_path
+    from openforge.testing.reconstruct_flows import FlowFactory, qwen_path
 
     app = typer.Typer()
     reconstruct_cmd.register(app)
@@ -176,7 +176,7 @@ def test_a_record_with_a_map_as_a_map_key_skips_that_record_not_the_rest_of_its_
     its reason, and the episodes after it in the same file are built."""
     from openforge.addons.flowfile import pack, read_header
     from openforge.reconstruct import reconstruct
-    from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer
+    from openforge.testing.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer
 
     before, after = FlowFactory(tmp_path / "flows", seed=16), FlowFactory(tmp_path / "after", seed=16)
     before.tool_loop("before", turns=1)
@@ -201,7 +201,7 @@ def test_reconstruct_cli_flow_key_file(tmp_path):
 
     from openforge.commands import reconstruct as reconstruct_cmd
     from openforge.commands import stats as stats_cmd
-    from tests.support.reconstruct_flows import FlowFactory, qwen_path
+    from openforge.testing.reconstruct_flows import FlowFactory, qwen_path
 
     app = typer.Typer()
     reconstruct_cmd.register(app)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from openforge.reconstruct import reconstruct
-from tests.support.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
+from openforge.testing.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
 
 
 def run(tmp_path: Path, retok, **kw):

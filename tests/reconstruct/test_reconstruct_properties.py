@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from openforge.reconstruct import reconstruct
 from openforge.reconstruct.episodes import ChainHasher, chain_hashes, loose_message, strict_message
 from openforge.reconstruct.trajectories import TreeCall, build_tree, chains
-from tests.support.reconstruct_flows import FlowFactory, db_rows, trainable_segments
+from openforge.testing.reconstruct_flows import FlowFactory, db_rows, trainable_segments
 
 
 @st.composite

@@ -16,7 +16,7 @@ from openforge.reconstruct import Summary, protocols, reconstruct, store
 from openforge.reconstruct.ingest import Ingest
 from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
 from openforge.reconstruct.protocols import RawIds
-from tests.support.reconstruct_flows import FlowFactory, db_rows
+from openforge.testing.reconstruct_flows import FlowFactory, db_rows
 
 SAMPLES = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"
 

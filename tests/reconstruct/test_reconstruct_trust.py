@@ -11,7 +11,7 @@ import pytest
 
 from openforge.reconstruct import reconstruct
 from openforge.reconstruct.stats import collect
-from tests.support.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
+from openforge.testing.reconstruct_flows import BASH, SYSTEM, FlowFactory, db_rows, trainable_segments
 
 IM_END = 151645  # Qwen3 <|im_end|>
 
@@ -218,7 +218,7 @@ def test_reconstruct_cli_options_for_roles_groups_and_templates(tmp_path):
 
     from openforge.commands import reconstruct as reconstruct_cmd
     from openforge.commands import stats as stats_cmd
-    from tests.support.reconstruct_flows import qwen_path
+    from openforge.testing.reconstruct_flows import qwen_path
 
     app = typer.Typer()
     reconstruct_cmd.register(app)

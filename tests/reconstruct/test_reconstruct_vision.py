@@ -24,8 +24,8 @@ from openforge.reconstruct.api import reconstruct
 from openforge.reconstruct.episodes import ChainHasher
 from openforge.reconstruct.stats import collect
 from openforge.reconstruct.tokenize import load_tokenizer
-from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_path
-from tests.support.vision import IMAGE_PAD_ID, expand_pads, image_processor, pad_runs, processor_dir, screenshot
+from openforge.testing.reconstruct_flows import FlowFactory, db_rows, qwen_path
+from openforge.testing.vision import IMAGE_PAD_ID, expand_pads, image_processor, pad_runs, processor_dir, screenshot
 
 RED = screenshot("red", color="red")  # 112x112: grid 1x8x8, 16 pads
 WIDE = screenshot("wide", size=(112, 56))  # grid 1x4x8, 8 pads

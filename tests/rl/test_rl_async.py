@@ -1,6 +1,6 @@
 """Async mode (issue 27): iteration i trains on iteration i-1's rollouts while its own rollouts run on the
 policy served now, then publishes; every episode runs on one policy version. On the loop's stage machine
-with stand-ins for the rollout and the trainer's steps (`tests/test_rl_faults.py`'s `Run`)."""
+with stand-ins for the rollout and the trainer's steps (`tests/rl/test_rl_faults.py`'s `Run`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from openforge.rl.config import load_rl_config
 from openforge.rl.loop import RLError
 from openforge.trainer.config import ConfigError
-from tests.test_rl_faults import Run
+from tests.rl.test_rl_faults import Run
 
 WAIT = 30.0  # seconds one side waits to see the other running: a sequential loop never does
 

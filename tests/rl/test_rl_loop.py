@@ -1,7 +1,7 @@
 """`openforge rl`: its config, GRPO groups within one policy version, and a real run on the embedded engine
 that is interrupted (Ctrl-C) mid-way and resumed: nothing left running, no episode or sample counted twice.
 
-The uninterrupted short run, with its files and the notebook over them, is tests/test_demo_e2e.py (the
+The uninterrupted short run, with its files and the notebook over them, is tests/e2e/test_demo_e2e.py (the
 demo is the loop).
 """
 
@@ -30,7 +30,7 @@ from openforge.rl.loop import STAGES, RLError, RLRun, rerun
 from openforge.rollout.spec import Adapter, EpisodeSpec, Task
 from openforge.trainer.config import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--iterations", "2", "--attempts", "2", "--steps", "1", "--set", "rollout.max_tasks=2",
          "--set", "train.step_tokens=1024", "--set", "train.row_tokens=1024", "--set", "engine.threads=1"]
 

@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 
 from openforge.rl.config import load_rl_config
 from openforge.rl.loop import ensure_tables
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 from openforge.trainer.config import ConfigError, load_config
 from openforge.trainer.data import DataError, SampleSource
 from openforge.trainer.train import lr_factor, train
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
-from tests.test_rl_faults import Run
+from tests.rl.test_rl_faults import Run
 
 
 def samples_db(path: Path, groups: dict[str, list[float | None]], advantage: float | None = None) -> Path:

@@ -17,11 +17,11 @@ from rich.console import Console
 
 from openforge.rl.config import load_rl_config
 from openforge.rl.loop import RLError
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 from openforge.tracking import Trackers, flatten
 from openforge.trainer.config import load_config
 from openforge.trainer.train import train
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
-from tests.test_rl_eval import Run, fake_episodes  # noqa: F401 - the fixture, used by name
+from tests.rl.test_rl_eval import Run, fake_episodes  # noqa: F401 - the fixture, used by name
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

@@ -16,8 +16,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from openforge.testing import ROOT
 from openforge.vllm_engine import VLLM_VENV
-from tests.conftest import ROOT
 
 pytestmark = [
     pytest.mark.vllm,

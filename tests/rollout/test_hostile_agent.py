@@ -1,5 +1,5 @@
 """The agent under training is the adversary (docs/security.md): a hostile `custom:` toolchain
-(tests/support/hostile_agent.py) runs beside the honest example agent under `openforge rollout` and under
+(openforge/testing/hostile_agent.py) runs beside the honest example agent under `openforge rollout` and under
 `openforge rl`, as the same user, and tries every way to set its own reward. Every try fails, and every
 episode, honest or not, keeps exactly its verifier's reward: in result.json, in the proxy's records and in
 DuckDB (and `rl_episodes` under the loop). Nothing it started outlives its episode."""
@@ -20,11 +20,11 @@ import pytest
 
 from openforge.reconstruct import reconstruct
 from openforge.rollout import run
-from tests.conftest import ROOT
-from tests.support.hostile_agent import ESCAPE_MARK, LATE_DELAY_S, LATE_MARK
-from tests.support.toolchain_engine import ToolchainEngine
+from openforge.testing import ROOT
+from openforge.testing.hostile_agent import ESCAPE_MARK, LATE_DELAY_S, LATE_MARK
+from openforge.testing.toolchain_engine import ToolchainEngine
 
-AGENT = ROOT / "tests" / "support" / "hostile_agent.py"
+AGENT = ROOT / "openforge" / "testing" / "hostile_agent.py"
 TEST_ANSWER = ("import pathlib\n\ndef test_answer():\n"
                "    assert pathlib.Path('answer.txt').read_text().strip() == '42'\n")
 

@@ -27,9 +27,9 @@ from openforge.rollout.episode import Secrets, parse_reward, run_episode
 from openforge.rollout.failures import DEFAULT_POLICY, classify, policies
 from openforge.rollout.runner import RolloutError, prepare, summarize
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
-from tests.conftest import ROOT
-from tests.support.scripted_engine import content_text
-from tests.support.toolchain_engine import ToolchainEngine
+from openforge.testing import ROOT
+from openforge.testing.scripted_engine import content_text
+from openforge.testing.toolchain_engine import ToolchainEngine
 
 CLIENT = "client-token-failures-0123456789"
 REWARD = "reward-token-failures-0123456789"

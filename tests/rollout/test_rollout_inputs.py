@@ -16,7 +16,7 @@ from openforge.rollout.episode import parse_reward
 from openforge.rollout.runner import RolloutError, plan, prepare, summarize
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
-from tests.conftest import ROOT
+from openforge.testing import ROOT
 from toolchains import run as toolchains
 
 GOOD = {"id": "t1", "prompt": "fix it", "verify": "pytest -q >/dev/null"}

@@ -25,7 +25,7 @@ from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, Adapter, 
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSIONS = ["1.30.0", "1.37.0"]  # the oldest release we name and the newest the schema package ships
 CLIENT_TOKEN = "of-client-K8STEST-7f3a9c1e5b2d4a6f"
 REWARD_TOKEN = "of-reward-K8STEST-2e8d6b4f0a1c3e5d"
@@ -321,7 +321,7 @@ def test_the_job_command_and_env_run_the_episode_entrypoint(tmp_path: Path, star
     and a tree the unprivileged uid can traverse: here the episode runs with sandbox "none" (the uid mode
     itself is the sandbox's tests')."""
     pytest.importorskip("openforge.rollout.episode")
-    from tests.support.scripted_engine import ScriptedEngine
+    from openforge.testing.scripted_engine import ScriptedEngine
 
     with ScriptedEngine(api_key=UPSTREAM_KEY) as engine:
         proxy = start_proxy(engine.url, f"openforge_upstream_key={UPSTREAM_KEY}", "openforge_engine_profile=vllm",

@@ -19,8 +19,8 @@ import pytest
 from openforge.reconstruct import reconstruct
 from openforge.rollout import run
 from openforge.rollout.runner import Rollout
-from tests.conftest import ROOT
-from tests.support.toolchain_engine import ToolchainEngine
+from openforge.testing import ROOT
+from openforge.testing.toolchain_engine import ToolchainEngine
 
 CLIENT = "client-token-rollout-0123456789"
 REWARD = "reward-token-rollout-0123456789"

@@ -25,8 +25,8 @@ from openforge.rollout import run
 from openforge.rollout.runner import RolloutError, prepare
 from openforge.rollout.sandbox import readonly_paths
 from openforge.rollout.spec import Task
-from tests.conftest import ROOT
-from tests.support.toolchain_engine import ToolchainEngine
+from openforge.testing import ROOT
+from openforge.testing.toolchain_engine import ToolchainEngine
 
 CLIENT = "client-token-sandbox-0123456789"
 REWARD = "reward-token-sandbox-0123456789"

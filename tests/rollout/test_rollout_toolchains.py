@@ -15,8 +15,8 @@ import pytest
 
 from openforge.reconstruct import reconstruct
 from openforge.rollout import run
-from tests.conftest import ROOT
-from tests.support.toolchain_engine import ToolchainEngine
+from openforge.testing import ROOT
+from openforge.testing.toolchain_engine import ToolchainEngine
 from toolchains import run as toolchains
 
 pytestmark = pytest.mark.slow

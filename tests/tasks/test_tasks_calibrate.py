@@ -29,9 +29,9 @@ from openforge.rl.config import load_rl_config
 from openforge.rl.loop import RLError, RLRun
 from openforge.rollout.spec import EpisodeResult
 from openforge.taskforge.calibrate import KEPT, TOO_EASY, TOO_HARD, UNMEASURED, parse_band, pass_rates, verdict
+from openforge.testing import ROOT
+from openforge.testing.toolchain_engine import ToolchainEngine
 from openforge.trainer.config import ConfigError
-from tests.conftest import ROOT
-from tests.support.toolchain_engine import ToolchainEngine
 
 CLIENT = "client-token-calibrate-0123456789"
 REWARD = "reward-token-calibrate-0123456789"
@@ -242,7 +242,7 @@ def test_rl_task_settings_errors(sets: dict[str, str], message: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_rl_runs_end_to_end_on_a_mutate_made_task_file(tmp_path: Path) -> None:
-    """`openforge tasks mutate` makes a task from tests/support/mutate_project, then one iteration of
+    """`openforge tasks mutate` makes a task from openforge/testing/mutate_project, then one iteration of
     `openforge rl` (embedded engine, tool-agent) runs on it: its episodes run, its verifier scores each, the
     loop reconstructs, trains if it can and publishes; the task's solution and metadata never reach an
     episode."""
@@ -251,7 +251,7 @@ def test_rl_runs_end_to_end_on_a_mutate_made_task_file(tmp_path: Path) -> None:
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("OPENFORGE_")},
            "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
     made = subprocess.run([sys.executable, "-m", "openforge.cli", "tasks", "mutate", "--repo",
-                           str(ROOT / "tests/support/mutate_project"), "--test", f"{sys.executable} -m pytest -q",
+                           str(ROOT / "openforge/testing/mutate_project"), "--test", f"{sys.executable} -m pytest -q",
                            "--out", str(tasks), "--n", "1", "--seed", "1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stdout + made.stderr

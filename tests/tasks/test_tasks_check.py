@@ -22,7 +22,7 @@ from openforge.taskforge.solution import SolutionError, apply_solution, solution
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None or shutil.which("patch") is None,
                                 reason="bubblewrap and patch are needed (make setup)")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 SETUP = "printf 'def add(a, b):\\n    return a - b\\n' > calc.py"  # the code the agent fixes: not restored

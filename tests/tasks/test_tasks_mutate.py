@@ -1,4 +1,4 @@
-"""`openforge tasks mutate` on a small real project (tests/support/mutate_project) and on mpmath's own source and
+"""`openforge tasks mutate` on a small real project (openforge/testing/mutate_project) and on mpmath's own source and
 tests (installed with torch, through sympy): every task fails its verifier untouched, passes after its
 solution, gives nothing of the original code away, and comes out the same for the same seed."""
 
@@ -21,9 +21,9 @@ from openforge.taskforge.mutate import MutateOptions, is_test_file, mutate, unif
 from openforge.taskforge.mutations import sites
 from openforge.taskforge.pytest_run import SuiteRun
 from openforge.taskforge.verify_tests import REWARDS, reward
-from tests.conftest import ROOT
+from openforge.testing import ROOT
 
-PROJECT = ROOT / "tests" / "support" / "mutate_project"
+PROJECT = ROOT / "openforge" / "testing" / "mutate_project"
 TEST = f"{sys.executable} -m pytest -q"
 # what an agent might leave to fake a green suite: every test reported passed, a config that skips them
 CHEAT = {"conftest.py": "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"

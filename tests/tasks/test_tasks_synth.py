@@ -1,5 +1,5 @@
 """`openforge tasks synth` end to end: a real proxy (mitmdump, flow files signed) in front of a scripted
-engine that plays the synthesis model and the validator's agent (tests/support/forge_engine.py). A
+engine that plays the synthesis model and the validator's agent (openforge/testing/forge_engine.py). A
 candidate repaired after a failed check and one repaired after the validator are accepted and pass
 `check_task`; one that only ever answers in prose is rejected with its reason; every synthesis and validator
 call is in the flow files under its role and candidate, and the cost written equals what the records say."""
@@ -19,8 +19,8 @@ from openforge.addons.flowfile import expand_paths, open_flow_file
 from openforge.cli import app
 from openforge.rollout.tasks import read_tasks
 from openforge.taskforge.synth import stage_of
-from tests.conftest import ROOT
-from tests.support.forge_engine import ForgeEngine
+from openforge.testing import ROOT
+from openforge.testing.forge_engine import ForgeEngine
 
 
 def records(flow_dir: Path, key: bytes) -> list[dict[str, Any]]:

@@ -22,8 +22,8 @@ from openforge.commands.export import Format
 from openforge.export import FORMATS, SLIME_FILE_ROWS, ExportError, export
 from openforge.reconstruct import reconstruct
 from openforge.reconstruct.tokenize import load_tokenizer
-from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_path, qwen_retokenizer, trainable_segments
-from tests.support.vision import IMAGE_PAD_ID, processor_dir, screenshot
+from openforge.testing.reconstruct_flows import FlowFactory, db_rows, qwen_path, qwen_retokenizer, trainable_segments
+from openforge.testing.vision import IMAGE_PAD_ID, processor_dir, screenshot
 
 # slime.utils.types.Sample's dataclass fields (THUDM/slime, slime/utils/types.py): Sample.from_dict passes
 # these to the constructor and sets any other key as an attribute

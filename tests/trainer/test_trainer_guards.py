@@ -15,11 +15,11 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 from openforge.trainer import checkpoint
 from openforge.trainer.config import ConfigError, load_config
 from openforge.trainer.data import DataError, Position
 from openforge.trainer.train import train
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

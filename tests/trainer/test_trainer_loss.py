@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from openforge.testing.trainer_samples import tiny_model
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
 from openforge.trainer.loss import logit_positions, ppo_loss, target_logprobs, targets
 from openforge.trainer.packing import coefficients, make_row, plan_rows, rank_share
 from openforge.trainer.train import forward_loss, old_logprobs
-from tests.support.trainer_samples import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from openforge.testing.trainer_samples import tiny_model
+from openforge.testing.trainer_tree import assert_same_step, run_rows
 from openforge.trainer.config import ConfigError, TrainConfig
 from openforge.trainer.data import Sample
 from openforge.trainer.loss import logit_positions, target_logprobs
 from openforge.trainer.model import load_model
 from openforge.trainer.packing import coefficients, make_row, plan_rows
 from openforge.trainer.tree import tree_rows
-from tests.support.trainer_samples import tiny_model
-from tests.support.trainer_tree import assert_same_step, run_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 from openforge.trainer.config import ConfigError, load_config
 from openforge.trainer.model import resolve_precision
 from openforge.trainer.train import train
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, train_on_ranks, write_samples
 from openforge.trainer.config import load_config
 from openforge.trainer.train import train
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, train_on_ranks, write_samples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from openforge.reconstruct import reconstruct
+from openforge.testing.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer
 from openforge.trainer.config import load_config
 from openforge.trainer.train import train
-from tests.support.reconstruct_flows import FlowFactory, db_rows, qwen_retokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

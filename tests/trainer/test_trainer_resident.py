@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 from openforge.trainer.config import load_config
 from openforge.trainer.train import Trainer, deferred_interrupt, train
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

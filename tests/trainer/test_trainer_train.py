@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from openforge.commands import train as train_command
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, train_on_ranks, write_samples
 from openforge.trainer.config import load_config
 from openforge.trainer.data import DataError
 from openforge.trainer.train import lr_factor, train
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, train_on_ranks, write_samples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

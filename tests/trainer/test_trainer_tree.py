@@ -11,12 +11,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, tiny_model, train_on_ranks, write_samples
+from openforge.testing.trainer_tree import assert_same_run, assert_tree_equals_chains, computed, run_metrics
 from openforge.trainer.config import TrainConfig, load_config
 from openforge.trainer.data import Sample, SampleSource
 from openforge.trainer.train import train
 from openforge.trainer.tree import build_tree
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, tiny_model, train_on_ranks, write_samples
-from tests.support.trainer_tree import assert_same_run, assert_tree_equals_chains, computed, run_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

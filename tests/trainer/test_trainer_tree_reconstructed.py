@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from openforge.reconstruct import reconstruct
+from openforge.testing.reconstruct_flows import BASH, FlowFactory, db_rows, qwen_retokenizer
+from openforge.testing.trainer_samples import tiny_model
+from openforge.testing.trainer_tree import assert_same_run, assert_tree_equals_chains, computed, run_metrics
 from openforge.trainer.config import TrainConfig, load_config
 from openforge.trainer.data import Sample, SampleSource
 from openforge.trainer.train import train
-from tests.support.reconstruct_flows import BASH, FlowFactory, db_rows, qwen_retokenizer
-from tests.support.trainer_samples import tiny_model
-from tests.support.trainer_tree import assert_same_run, assert_tree_equals_chains, computed, run_metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

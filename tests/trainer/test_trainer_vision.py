@@ -15,15 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from openforge.trainer.config import TrainConfig, load_config
-from openforge.trainer.data import DataError, SampleSource
-from openforge.trainer.model import load_model
-from openforge.trainer.packing import coefficients, make_row
-from openforge.trainer.train import train
-from openforge.trainer.vision import attach_pixels, mrope
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, train_on_ranks, write_samples
-from tests.support.trainer_tree import assert_same_run, assert_same_step, run_metrics, run_rows
-from tests.support.vision import (
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, train_on_ranks, write_samples
+from openforge.testing.trainer_tree import assert_same_run, assert_same_step, run_metrics, run_rows
+from openforge.testing.vision import (
     IMAGE_PAD_ID,
     VISION_END_ID,
     VISION_START_ID,
@@ -31,6 +25,12 @@ from tests.support.vision import (
     screenshot,
     tiny_vl_model_dir,
 )
+from openforge.trainer.config import TrainConfig, load_config
+from openforge.trainer.data import DataError, SampleSource
+from openforge.trainer.model import load_model
+from openforge.trainer.packing import coefficients, make_row
+from openforge.trainer.train import train
+from openforge.trainer.vision import attach_pixels, mrope
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from openforge.addons import options
 from openforge.addons.flowfile import expand_paths, open_flow_file
 from openforge.processes import free_port
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing.scripted_engine import ScriptedEngine
 
 LOCAL_KEY = "sk-local-ENGINE-0123456789abcdef"
 HOSTED_KEY = "sk-hosted-VALIDATOR-fedcba9876543210"

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from openforge.addons.flowfile import FlowWriter, expand_paths, open_flow_file
 from openforge.commands import flows
 from openforge.processes import free_port
-from tests.conftest import ROOT
-from tests.support.scripted_engine import ScriptedEngine
+from openforge.testing import ROOT
+from openforge.testing.scripted_engine import ScriptedEngine
 
 RUN_PROXY = ("import sys, typer\nfrom openforge.commands import proxy\napp = typer.Typer()\n"
              "proxy.register(app)\n@app.callback()\ndef main():\n    pass\napp(sys.argv[1:])\n")

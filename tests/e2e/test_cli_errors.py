@@ -11,7 +11,7 @@ from typer.testing import CliRunner, Result
 
 from openforge.cli import app
 from openforge.reconstruct.store import SCHEMA_VERSION
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, write_samples
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 
 
 @pytest.fixture(scope="module")
