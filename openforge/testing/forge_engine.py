@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from openforge.taskforge import prompts
-from openforge.testing.scripted_engine import Conversation, Reply, content_text
+from openforge.testing.scripted_chat import Conversation, Reply, content_text
 from openforge.testing.toolchain_engine import ToolchainEngine
 
 PY = sys.executable

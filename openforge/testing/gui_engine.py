@@ -22,7 +22,8 @@ from typing import Any
 from PIL import Image
 
 from openforge.examples.gui import COLORS
-from openforge.testing.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
+from openforge.testing.scripted_chat import Conversation, Reply, content_text, render_tool_call
+from openforge.testing.scripted_engine import ScriptedEngine
 from openforge.testing.vision import expand_pads
 
 FINAL = "Done."

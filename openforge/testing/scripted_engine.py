@@ -19,11 +19,9 @@ Token ids (Chat and Completions only, like real engines):
 - `profile="generic"`: neither.
 `logprobs: true` (Chat) or an int (Completions) adds deterministic fake logprobs (-0.1*(i%7)-0.01).
 
-Tokenizer: by default `ByteTokenizer` — one id per UTF-8 byte, `id = byte + 3`, over a ChatML rendering,
-with specials 0 `<|endoftext|>`, 1 `<|im_start|>`, 2 `<|im_end|>` (end of turn). Or pass any HF-like
-tokenizer (`apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True)`, `encode`,
-`decode`); then prompt ids are exactly what that tokenizer's chat template renders, and a tool call's
-completion is rendered Qwen/Hermes style: `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`.
+Tokenizer: by default `scripted_chat.ByteTokenizer` (one id per UTF-8 byte over ChatML), or any HF-like
+tokenizer (`apply_chat_template(..., tokenize=True)`, `encode`, `decode`): prompt ids are what its chat
+template renders, and a tool call's completion is rendered Qwen/Hermes style (`render_tool_call`).
 """
 
 from __future__ import annotations
@@ -31,185 +29,33 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import re
 import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import urlsplit
 
+from openforge.testing.scripted_chat import (
+    DEFAULT_MODEL,
+    ByteTokenizer,
+    Conversation,
+    Received,
+    Reply,
+    anthropic_conversation,
+    content_text,
+    end_of_turn_id,
+    pick_tool,
+    render_tool_call,
+    responses_conversation,
+    split_even,
+    tool_arguments,
+)
+
 FINAL_TEXT = "Done: the files are listed above."
-SHELL_TOOL_NAMES = ("Bash", "bash", "exec_command", "shell", "run_shell_command")
 PROFILES = ("vllm", "llamacpp", "generic")
 FAULTS = (None, "no_choices", "empty", "http_500")
-DEFAULT_MODEL = "scripted-model"
-
-
-class ByteTokenizer:
-    """Byte-level tokenizer over ChatML: id = UTF-8 byte + 3; ids 0-2 are the special tokens."""
-
-    name_or_path = "openforge/byte-chatml"
-    special_tokens = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-    eos_token = "<|im_end|>"
-    eos_token_id = 2
-    vocab_size = 256 + 3
-    _SPECIAL = re.compile(r"(<\|endoftext\|>|<\|im_start\|>|<\|im_end\|>)")
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids: list[int] = []
-        for i, part in enumerate(self._SPECIAL.split(text)):
-            if i % 2:
-                ids.append(self.special_tokens.index(part))
-            else:
-                ids.extend(b + 3 for b in part.encode())
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        out: list[str] = []
-        buf = bytearray()
-        for i in ids:
-            if i >= 3:
-                buf.append(i - 3)
-                continue
-            if buf:
-                out.append(buf.decode(errors="replace"))
-                buf = bytearray()
-            if not skip_special_tokens:
-                out.append(self.special_tokens[i])
-        if buf:
-            out.append(buf.decode(errors="replace"))
-        return "".join(out)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        tokenize: bool = True,
-        **_: Any,
-    ) -> list[int] | str:
-        text = render_chatml(messages, tools, add_generation_prompt)
-        return self.encode(text) if tokenize else text
-
-
-def content_text(content: Any) -> str:
-    """Flatten OpenAI/Anthropic content (string or list of parts) to plain text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict):
-                if "text" in part:
-                    parts.append(str(part["text"]))
-                elif part.get("type") in ("image", "image_url", "input_image"):
-                    parts.append("<image>")
-                elif part.get("type") == "tool_result":
-                    parts.append(content_text(part.get("content")))
-        return "".join(parts)
-    return str(content)
-
-
-def render_tool_call(name: str, arguments: Any) -> str:
-    """A tool call the way Qwen/Hermes chat templates render it."""
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
-
-
-def render_chatml(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True
-) -> str:
-    """The default tokenizer's chat template: ChatML, tools listed in the system message."""
-    msgs = [dict(m) for m in messages]
-    if tools:
-        tool_block = "# Tools\n\n<tools>\n" + "\n".join(json.dumps(t, sort_keys=True) for t in tools) + "\n</tools>"
-        if msgs and msgs[0].get("role") == "system":
-            msgs[0]["content"] = content_text(msgs[0].get("content")) + "\n\n" + tool_block
-        else:
-            msgs.insert(0, {"role": "system", "content": tool_block})
-    out = []
-    for m in msgs:
-        text = content_text(m.get("content"))
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            args = fn.get("arguments")
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    pass
-            text += ("\n" if text else "") + render_tool_call(fn.get("name", ""), args)
-        out.append(f"<|im_start|>{m.get('role', 'user')}\n{text}<|im_end|>\n")
-    if add_generation_prompt:
-        out.append("<|im_start|>assistant\n")
-    return "".join(out)
-
-
-class Received(NamedTuple):
-    """One request the engine received: path with query, lower-cased headers, parsed JSON body (or None)."""
-
-    path: str
-    headers: dict[str, str]
-    body: Any
-
-
-class Conversation(NamedTuple):
-    """A request in neutral chat form, whatever protocol it arrived in."""
-
-    model: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]  # chat-style {"type": "function", "function": {name, parameters}}
-    max_tokens: int | None
-
-
-class Reply(NamedTuple):
-    """What the engine answers: text, or one tool call; plus the completion's token ids."""
-
-    text: str  # visible text ("" for a tool call)
-    tool_name: str | None
-    arguments: dict[str, Any] | None
-    call_id: str
-    ids: list[int]  # completion ids, end-of-turn token included unless truncated
-    finish: str  # "stop", "tool_calls" or "length"
-
-
-def _sample_value(schema: dict[str, Any]) -> Any:
-    if schema.get("enum"):
-        return schema["enum"][0]
-    kind = schema.get("type", "string")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "string")
-    return {"string": "list files", "integer": 1, "number": 1, "boolean": False, "array": [], "object": {}}.get(
-        kind, "list files"
-    )
-
-
-def tool_arguments(schema: dict[str, Any]) -> dict[str, Any]:
-    """Arguments for a shell-like tool: command/cmd -> "ls" (["ls"] if an array), other required props simple."""
-    props = schema.get("properties") or {}
-    args: dict[str, Any] = {}
-    for name, prop in props.items():
-        if name in ("command", "cmd"):
-            args[name] = ["ls"] if prop.get("type") == "array" else "ls"
-    for name in schema.get("required") or []:
-        if name not in args:
-            args[name] = _sample_value(props.get(name) or {})
-    return args
-
-
-def _pick_tool(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    fns = [t["function"] for t in tools]
-    return next((f for f in fns if f.get("name") in SHELL_TOOL_NAMES), fns[0])
-
-
-def _split_even(ids: list[int], n: int) -> list[list[int]]:
-    size = -(-len(ids) // n) if ids else 0
-    return [ids[i * size : (i + 1) * size] for i in range(n)]
 
 
 class _Server(ThreadingHTTPServer):
@@ -270,7 +116,7 @@ class ScriptedEngine:
         self.record = record
         self.stamp = stamp
         self.requests: list[Received] = []
-        self.eot_id = self._end_of_turn_id()
+        self.eot_id = end_of_turn_id(self.tokenizer)
         self._lock = threading.Lock()
         self._tok_lock = threading.Lock() if tokenizer is not None else None  # HF tokenizers: one at a time
         self._ids = itertools.count(1)
@@ -309,15 +155,6 @@ class ScriptedEngine:
         return f"http://127.0.0.1:{self.port}"
 
     # -- tokenizer helpers ---------------------------------------------------------------------------------
-    def _end_of_turn_id(self) -> int:
-        tok = self.tokenizer
-        convert = getattr(tok, "convert_tokens_to_ids", None)
-        if convert is not None:
-            im_end = convert("<|im_end|>")
-            if isinstance(im_end, int) and im_end != getattr(tok, "unk_token_id", None):
-                return im_end
-        return int(tok.eos_token_id)
-
     def _tok(self, fn: str, *args: Any, **kwargs: Any) -> Any:
         if self._tok_lock is None:
             return getattr(self.tokenizer, fn)(*args, **kwargs)
@@ -348,7 +185,7 @@ class ScriptedEngine:
         digest = hashlib.sha1(json.dumps(msgs, sort_keys=True, default=str).encode()).hexdigest()[:24]
         tool_name = arguments = None
         if conv.tools and rounds < self.tool_rounds:
-            fn = _pick_tool(conv.tools)
+            fn = pick_tool(conv.tools)
             tool_name, arguments = fn["name"], tool_arguments(fn.get("parameters") or {})
             rendered = render_tool_call(tool_name, arguments)
         elif msgs and msgs[-1].get("role") == "tool":
@@ -554,7 +391,7 @@ class ScriptedEngine:
             fn = tool_calls[0]["function"]
             args = fn["arguments"]
             half = len(args) // 2
-            groups = _split_even(body_ids, 3)
+            groups = split_even(body_ids, 3)
             deltas.append(({"tool_calls": [{"index": 0, "id": rep.call_id, "type": "function",
                                             "function": {"name": fn["name"], "arguments": ""}}]}, groups[0]))
             for part, group in ((args[:half], groups[1]), (args[half:], groups[2])):
@@ -649,43 +486,12 @@ class ScriptedEngine:
                 "top_logprobs": None, "text_offset": offsets}
 
     # -- Anthropic Messages ----------------------------------------------------------------------------------
-    @staticmethod
-    def _anthropic_conversation(body: dict[str, Any]) -> Conversation:
-        msgs: list[dict[str, Any]] = []
-        if body.get("system"):
-            msgs.append({"role": "system", "content": content_text(body["system"])})
-        for m in body.get("messages") or []:
-            content = m.get("content")
-            if isinstance(content, str):
-                msgs.append({"role": m.get("role", "user"), "content": content})
-                continue
-            text_parts, calls = [], []
-            for block in content or []:
-                kind = block.get("type")
-                if kind == "tool_result":
-                    msgs.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                                 "content": content_text(block.get("content"))})
-                elif kind == "tool_use":
-                    calls.append({"id": block.get("id"), "type": "function",
-                                  "function": {"name": block.get("name"),
-                                               "arguments": json.dumps(block.get("input") or {})}})
-                else:
-                    text_parts.append(block)
-            if text_parts or calls:
-                msg: dict[str, Any] = {"role": m.get("role", "user"), "content": content_text(text_parts)}
-                if calls:
-                    msg["tool_calls"] = calls
-                msgs.append(msg)
-        tools = [{"type": "function", "function": {"name": t["name"], "parameters": t.get("input_schema") or {}}}
-                 for t in body.get("tools") or [] if t.get("name")]
-        return Conversation(body.get("model") or DEFAULT_MODEL, msgs, tools, body.get("max_tokens"))
-
     def _count_tokens(self, h: _Handler, body: dict[str, Any]) -> None:
-        conv = self._anthropic_conversation(body)
+        conv = anthropic_conversation(body)
         self._send_json(h, 200, {"input_tokens": len(self.prompt_ids(conv))})
 
     def _messages(self, h: _Handler, body: dict[str, Any]) -> None:
-        conv = self._anthropic_conversation(body)
+        conv = anthropic_conversation(body)
         prompt = self.prompt_ids(conv)
         rep = self.reply(conv)
         stop = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}[rep.finish]
@@ -725,33 +531,8 @@ class ScriptedEngine:
         self._stream(h, events())
 
     # -- OpenAI Responses ------------------------------------------------------------------------------------
-    @staticmethod
-    def _responses_conversation(body: dict[str, Any]) -> Conversation:
-        msgs: list[dict[str, Any]] = []
-        if body.get("instructions"):
-            msgs.append({"role": "system", "content": content_text(body["instructions"])})
-        items = body.get("input")
-        if isinstance(items, str):
-            items = [{"role": "user", "content": items}]
-        for item in items or []:
-            kind = item.get("type", "message")
-            if kind == "message":
-                role = "system" if item.get("role") == "developer" else item.get("role", "user")
-                msgs.append({"role": role, "content": content_text(item.get("content"))})
-            elif kind == "function_call":
-                msgs.append({"role": "assistant", "content": "", "tool_calls": [
-                    {"id": item.get("call_id"), "type": "function",
-                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}]})
-            elif kind == "function_call_output":
-                output = item.get("output")
-                msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else content_text(output)})
-        tools = [{"type": "function", "function": {"name": t["name"], "parameters": t.get("parameters") or {}}}
-                 for t in body.get("tools") or [] if t.get("type") == "function" and t.get("name")]
-        return Conversation(body.get("model") or DEFAULT_MODEL, msgs, tools, body.get("max_output_tokens"))
-
     def _responses(self, h: _Handler, body: dict[str, Any]) -> None:
-        conv = self._responses_conversation(body)
+        conv = responses_conversation(body)
         prompt = self.prompt_ids(conv)
         rep = self.reply(conv)
         rid = self._new_id()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from openforge.testing.scripted_engine import Conversation, Reply, ScriptedEngine, content_text, render_tool_call
+from openforge.testing.scripted_chat import Conversation, Reply, content_text, render_tool_call
+from openforge.testing.scripted_engine import ScriptedEngine
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from openforge.addons.flowfile import expand_paths, open_flow_file
-from openforge.testing.scripted_engine import Conversation, Reply
+from openforge.testing.scripted_chat import Conversation, Reply
 from openforge.testing.toolchain_engine import ToolchainEngine
 from toolchains import run as toolchains
 

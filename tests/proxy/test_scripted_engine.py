@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from openforge.testing.scripted_engine import FINAL_TEXT, ByteTokenizer, ScriptedEngine, render_tool_call
+from openforge.testing.scripted_chat import ByteTokenizer, render_tool_call
+from openforge.testing.scripted_engine import FINAL_TEXT, ScriptedEngine
 
 BASH = {
     "type": "function",

@@ -28,7 +28,7 @@ from openforge.rollout.failures import DEFAULT_POLICY, classify, policies
 from openforge.rollout.runner import RolloutError, prepare, summarize
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Task
 from openforge.testing import ROOT
-from openforge.testing.scripted_engine import content_text
+from openforge.testing.scripted_chat import content_text
 from openforge.testing.toolchain_engine import ToolchainEngine
 
 CLIENT = "client-token-failures-0123456789"
