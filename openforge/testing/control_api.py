@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from openforge.addons.flowfile import expand_paths, open_flow_file
+from openforge.addons.flowfile import ExchangeRecord, expand_paths, open_flow_file
 
 CLIENT_TOKEN = "of-client-TOKEN-0123456789abcdef"
 REWARD_TOKEN = "of-reward-TOKEN-0123456789abcdef"
@@ -18,7 +18,7 @@ def bearer(token: str) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"}
 
 
-def exchanges(proxy: Any, episode: str) -> list[dict[str, Any]]:
+def exchanges(proxy: Any, episode: str) -> list[ExchangeRecord]:
     """The episode's exchange records; the status call first makes sure every answered call is written."""
     httpx.get(f"{proxy.url}/openforge/v1/status", headers=bearer(CLIENT_TOKEN)).raise_for_status()
     return [r for path in expand_paths([proxy.flow_dir]) for r in open_flow_file(path).records()

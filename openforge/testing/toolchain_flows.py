@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from openforge.addons.flowfile import FlowWriter
+from openforge.addons.flowfile import FlowRecord, FlowWriter
 
 JSON = [["content-type", "application/json"]]
 SSE = [["content-type", "text/event-stream"]]
@@ -88,6 +88,6 @@ def write_trace(directory: Path, records: list[dict[str, Any]]) -> Path:
         r["seq"] = seq
     w = FlowWriter(directory, "testprox")
     for r in records:
-        w.write(r)
+        w.write(cast(FlowRecord, r))  # built as plain dicts in the flow format
     w.close()
     return directory

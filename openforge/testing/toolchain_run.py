@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openforge.addons.flowfile import expand_paths, open_flow_file
+from openforge.addons.flowfile import FlowRecord, expand_paths, open_flow_file
 from openforge.testing.scripted_chat import Conversation, Reply
 from openforge.testing.toolchain_engine import ToolchainEngine
 from toolchains import run as toolchains
@@ -44,13 +44,13 @@ class CliRun:
     name: str
     episode: str | None
     result: subprocess.CompletedProcess[str]
-    records: list[dict[str, Any]]
+    records: list[FlowRecord]
     flow_dir: Path
     work: Path
     replies: list[Reply] = field(default_factory=list)
 
     @property
-    def llm_calls(self) -> list[dict[str, Any]]:
+    def llm_calls(self) -> list[FlowRecord]:
         return [r for r in self.records if r.get("type") == "exchange" and r.get("protocol") in LLM_PROTOCOLS]
 
     def explain(self) -> str:
@@ -58,8 +58,8 @@ class CliRun:
                 f"--- stderr ---\n{self.result.stderr[-3000:]}")
 
 
-def read_records(flow_dir: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def read_records(flow_dir: Path) -> list[FlowRecord]:
+    out: list[FlowRecord] = []
     for path in expand_paths([flow_dir]):
         ff = open_flow_file(path)
         out.extend(ff.records())

@@ -20,6 +20,7 @@ import pytest
 
 from openforge.processes import free_port
 from openforge.testing.reconstruct_flows import qwen_path
+from openforge.trainer.config import TrainConfig
 
 SCHEMA = Path(__file__).resolve().parents[2] / "reconstruct" / "schema.sql"
 
@@ -31,7 +32,7 @@ def qwen_tokenizer() -> Any:
     return shared()
 
 
-def tiny_config(vocab_size: int = 151936, hidden: int = 32):
+def tiny_config(vocab_size: int = 151936, hidden: int = 32) -> Any:
     """A 2-layer Qwen3; the default vocabulary is the real Qwen3 one (embedding padded to 151936)."""
     from transformers import Qwen3Config
 
@@ -42,7 +43,7 @@ def tiny_config(vocab_size: int = 151936, hidden: int = 32):
     )
 
 
-def tiny_model(vocab_size: int = 151936, hidden: int = 32, seed: int = 0):
+def tiny_model(vocab_size: int = 151936, hidden: int = 32, seed: int = 0) -> Any:
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -77,7 +78,7 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def train_on_ranks(cfg, world_size: int) -> None:
+def train_on_ranks(cfg: TrainConfig, world_size: int) -> None:
     """Run `train(cfg)` on `world_size` gloo ranks set up as torchrun sets them up (RANK, WORLD_SIZE,
     MASTER_ADDR/PORT); a rank's exception is re-raised here with its traceback.
 
@@ -96,7 +97,7 @@ def train_on_ranks(cfg, world_size: int) -> None:
                        start_method="forkserver")
 
 
-def _rank(rank: int, world_size: int, port: int, cfg) -> None:
+def _rank(rank: int, world_size: int, port: int, cfg: TrainConfig) -> None:
     import torch
 
     from openforge.trainer.train import train
@@ -111,7 +112,7 @@ TOPICS = ["list the files", "count lines in main.py", "run the tests", "fix the 
           "show git status", "grep for TODO", "print the python version", "make a new branch"]
 
 
-def chat_sample(tokenizer, rng: np.random.Generator, turns: int = 1) -> tuple[list[int], list[int]]:
+def chat_sample(tokenizer: Any, rng: np.random.Generator, turns: int = 1) -> tuple[list[int], list[int]]:
     """A chat-templated conversation; the assistant turns are the trainable tokens."""
     messages = [{"role": "system", "content": "You are a coding agent."}]
     ids: list[int] = []
@@ -130,8 +131,8 @@ def chat_sample(tokenizer, rng: np.random.Generator, turns: int = 1) -> tuple[li
     return ids, mask
 
 
-def make_samples(tokenizer, n: int, seed: int = 0, episodes: int | None = None, turns: int = 1,
-                 logprobs: bool = True) -> list[dict]:
+def make_samples(tokenizer: Any, n: int, seed: int = 0, episodes: int | None = None, turns: int = 1,
+                 logprobs: bool = True) -> list[dict[str, Any]]:
     """n samples over `episodes` episodes (default one each), with rewards, advantages and weights."""
     rng = np.random.default_rng(seed)
     episodes = episodes or n
@@ -148,7 +149,8 @@ def make_samples(tokenizer, n: int, seed: int = 0, episodes: int | None = None, 
     return out
 
 
-def write_samples(db: Path, samples: list[dict], tokenizer_name: str = "qwen3", vocab_size: int = 151669) -> Path:
+def write_samples(db: Path, samples: list[dict[str, Any]], tokenizer_name: str = "qwen3",
+                  vocab_size: int = 151669) -> Path:
     """Apply reconstruct/schema.sql and insert the samples, as the reconstructor would (a sample may set
     n_tokens / n_trainable itself, to store what a faulty writer would)."""
     con = duckdb.connect(str(db))

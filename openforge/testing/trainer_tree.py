@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,12 +17,14 @@ from openforge.trainer.packing import coefficients, make_row, plan_rows
 from openforge.trainer.train import forward_loss, old_logprobs
 from openforge.trainer.tree import tree_rows
 
+Step = tuple[float, dict[str, float], dict[str, torch.Tensor]]  # a step: loss, stat sums, gradients
 
-def run_rows(model, rows, cfg: TrainConfig, ref=None):
+
+def run_rows(model: Any, rows: list[Any], cfg: TrainConfig, ref: Any = None) -> Step:
     """A trainer step's rows: old policy first (no grad, ppo), then forward/backward; loss, stat sums, grads."""
     model.zero_grad()
     old = [old_logprobs(model, row, cfg.logit_chunk) if cfg.objective == "ppo" else None for row in rows]
-    total, sums = 0.0, {}
+    total, sums = 0.0, dict[str, float]()
     for row, old_logp in zip(rows, old):
         loss, stats = forward_loss(model, row, cfg, ref, old_logp)
         loss.backward()
@@ -31,7 +34,7 @@ def run_rows(model, rows, cfg: TrainConfig, ref=None):
     return total, sums, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def assert_same_step(a, b) -> None:
+def assert_same_step(a: Step, b: Step) -> None:
     """Two `run_rows` results: the same loss, every stat and every gradient, within fp32 tolerance."""
     (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = a, b
     assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
@@ -42,7 +45,8 @@ def assert_same_step(a, b) -> None:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def assert_tree_equals_chains(model, samples: list[Sample], cfg: TrainConfig, row_tokens: int, ref=None):
+def assert_tree_equals_chains(model: Any, samples: list[Sample], cfg: TrainConfig, row_tokens: int,
+                              ref: Any = None) -> tuple[list[Any], list[Any]]:
     """Loss, every stat and every gradient of tree rows == packed chain rows; returns both row lists."""
     coef = coefficients(samples, cfg.aggregation)
     chains = [make_row(g, coef, True) for g in plan_rows(samples, row_tokens, True)]
@@ -53,11 +57,11 @@ def assert_tree_equals_chains(model, samples: list[Sample], cfg: TrainConfig, ro
     return chains, trees
 
 
-def computed(rows) -> int:
+def computed(rows: list[Any]) -> int:
     return sum(r.input_ids.numel() for r in rows)
 
 
-def run_metrics(cfg: TrainConfig) -> list[dict]:
+def run_metrics(cfg: TrainConfig) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -37,8 +37,9 @@ def vllm_chunks(deltas: list[dict], finish: str, *, prompt_tokens: int = 40, cac
         text = delta.get("content") or delta.get("reasoning_content") or json.dumps(delta.get("tool_calls"))
         ids = _ids(text)[:3] or [7]
         completion += len(ids)
-        lp = {"content": [{"token": f"token_id:{i}", "logprob": -0.25, "bytes": None, "top_logprobs": []}
-                          for i in ids]} if logprobs else None
+        entries: list[dict[str, Any]] = [
+            {"token": f"token_id:{i}", "logprob": -0.25, "bytes": None, "top_logprobs": []} for i in ids]
+        lp: dict[str, Any] | None = {"content": entries} if logprobs else None
         chunks.append({**base, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
                                             "finish_reason": None, "token_ids": ids}]})
     chunks.append({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish,

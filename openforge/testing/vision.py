@@ -13,6 +13,7 @@ import io
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from openforge.testing.reconstruct_flows import qwen_path
 
@@ -52,7 +53,7 @@ IMAGE_PAD_ID, VISION_START_ID, VISION_END_ID, VIDEO_PAD_ID = 151655, 151652, 151
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
 
-def image_processor():  # a transformers Qwen2VLImageProcessorPil
+def image_processor() -> Any:  # a transformers Qwen2VLImageProcessorPil
     """The real Qwen2-VL image processor (PIL backend: no torchvision), with small pixel limits."""
     from transformers import Qwen2VLImageProcessorPil
 
