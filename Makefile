@@ -61,7 +61,7 @@ setup-vllm: .venv-vllm/.setup-done
 demo: setup
 	$(BIN)/openforge demo
 
-# ruff (lint and import order) on the whole tree; mypy on the proxy and reconstruct (pyproject.toml).
+# ruff (lint and import order) on the whole tree; mypy on the whole package (pyproject.toml).
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy

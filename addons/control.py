@@ -1,5 +1,5 @@
-"""The proxy's own endpoints, answered here and never forwarded (docs/addon.md, Rewards, Policy version, Pause
-and resume, Status).
+"""The proxy's own endpoints, answered here and never forwarded (docs/control-api.md; the paths and bodies:
+`openforge.protocols.control`).
 
 `POST /openforge/v1/episodes/<episode>/reward` writes a reward record; `GET .../<episode>/calls` says how
 the episode's calls were answered; `/openforge/v1/policy` reads and sets
@@ -14,12 +14,13 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
 from mitmproxy import http
 
+from openforge.protocols import control as api
 from openforge.protocols.reward_keys import episode_reward_key
 
 from . import access, flowfile, options, wire
@@ -37,18 +38,18 @@ MAX_METADATA_BYTES = 64 << 10
 MAX_METADATA_DEPTH = 32
 MAX_ID_CHARS = 256  # episode and task ids
 MAX_POLICY_BODY = 4096  # policy, pause and resume bodies
-_PATHS = frozenset({wire.STATUS_PATH, wire.POLICY_PATH, wire.PAUSE_PATH, wire.RESUME_PATH})
+_PATHS = frozenset({api.STATUS_PATH, api.POLICY_PATH, api.PAUSE_PATH, api.RESUME_PATH})
 _INT64 = (-(1 << 63), (1 << 64) - 1)  # what msgpack can write
 
 
 def handles(path: str) -> bool:
     """Whether a path (no query string) is one of the proxy's own endpoints."""
-    return path.startswith(wire.REWARD_PREFIX) or path in _PATHS
+    return path.startswith(api.EPISODES_PREFIX) or path in _PATHS
 
 
-def reward_path(path: str) -> tuple[str, str]:
-    """(episode, what follows it) of a path under the reward prefix; the episode %-decoded."""
-    episode, _, rest = path[len(wire.REWARD_PREFIX):].partition("/")
+def episode_path(path: str) -> tuple[str, str]:
+    """(episode, what follows it) of a path under the episodes prefix; the episode %-decoded."""
+    episode, _, rest = path[len(api.EPISODES_PREFIX):].partition("/")
     return unquote(episode), rest
 
 
@@ -74,13 +75,13 @@ class Control:
 
     def answer(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """Set the answer of a request to one of the endpoints (`handles(path)`)."""
-        if path == wire.STATUS_PATH:
+        if path == api.STATUS_PATH:
             self._status(flow, s)
-        elif path == wire.POLICY_PATH:
+        elif path == api.POLICY_PATH:
             self._policy(flow, s)
-        elif path in (wire.PAUSE_PATH, wire.RESUME_PATH):
-            self._pause_or_resume(flow, path == wire.PAUSE_PATH, s)
-        elif reward_path(path)[1] == "calls":
+        elif path in (api.PAUSE_PATH, api.RESUME_PATH):
+            self._pause_or_resume(flow, path == api.PAUSE_PATH, s)
+        elif episode_path(path)[1] == "calls":
             self._calls(flow, path, s)
         else:
             self._reward(flow, path, s)
@@ -88,9 +89,9 @@ class Control:
     def _calls(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """GET /openforge/v1/episodes/<episode>/calls: how the episode's calls were answered (episode_calls.py),
         for a reward token or that episode's key."""
-        episode = reward_path(path)[0]
+        episode = episode_path(path)[0]
 
-        def make() -> dict[str, Any]:
+        def make() -> api.CallsAnswer:
             if flow.request.method != "GET":
                 raise Refused(405, "use GET", "method_not_allowed")
             check_reward_token(flow.request, s, "reading an episode's calls", episode)
@@ -100,8 +101,8 @@ class Control:
 
     def _reward(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """POST /openforge/v1/episodes/<episode>/reward: recorded here, never forwarded."""
-        episode, rest = reward_path(path)
-        answer: dict[str, Any]
+        episode, rest = episode_path(path)
+        answer: api.RewardAnswer | api.ErrorAnswer
         try:
             record = self._reward_record(flow, episode, rest, s)
             if s.reward_policy == "first" and episode in self.rewarded:
@@ -138,7 +139,7 @@ class Control:
         """The reward record a post makes; `Refused` (in the order a client can fix it) when it makes none."""
         req = flow.request
         if rest != "reward" or not episode:
-            raise Refused(404, "use POST /openforge/v1/episodes/<episode>/reward", "not_found")
+            raise Refused(404, f"use POST {api.EPISODES_PREFIX}<episode>/reward", "not_found")
         if req.method != "POST":
             raise Refused(405, "use POST", "method_not_allowed")
         check_reward_token(req, s, "posting a reward", episode)
@@ -170,7 +171,7 @@ class Control:
         (a reward token: the agent must not choose which policy its calls count as)."""
         answer_refusable(flow, "policy version change", lambda: self._policy_now(flow.request, s))
 
-    def _policy_now(self, req: http.Request, s: options.Settings) -> dict[str, Any]:
+    def _policy_now(self, req: http.Request, s: options.Settings) -> api.PolicyAnswer:
         if req.method == "GET":
             if not any_token(req, s):
                 raise Refused(401, "missing or unknown token (a client or reward token)", "invalid_api_key")
@@ -193,7 +194,7 @@ class Control:
         a reward token (the agent must not stall the run or choose its calls' version)."""
         action = "pausing" if pause else "resuming"
 
-        def now() -> dict[str, Any]:
+        def now() -> api.PauseAnswer | api.ResumeAnswer:
             req = flow.request
             if req.method != "POST":
                 raise Refused(405, "use POST", "method_not_allowed")
@@ -203,7 +204,7 @@ class Control:
 
         answer_refusable(flow, action, now)
 
-    def _pause_now(self, body: dict[str, Any] | None, s: options.Settings) -> dict[str, Any]:
+    def _pause_now(self, body: dict[str, Any] | None, s: options.Settings) -> api.PauseAnswer:
         if body is None or set(body) - {"timeout_s"}:
             raise Refused(400, 'body must be empty or a JSON object with only "timeout_s"', "invalid_request_error")
         timeout = options.pause_timeout(body["timeout_s"]) if "timeout_s" in body else s.pause_timeout
@@ -214,7 +215,7 @@ class Control:
         logger.info(f"OpenForge: paused: new LLM calls wait up to {timeout:g} s")
         return {"ok": True, "paused": True, "was_paused": was, "held": self.pause.held, "timeout_s": timeout}
 
-    def _resume_now(self, body: dict[str, Any] | None) -> dict[str, Any]:
+    def _resume_now(self, body: dict[str, Any] | None) -> api.ResumeAnswer:
         if body is None or set(body) - {"version"}:
             raise Refused(400, 'body must be empty or a JSON object with only "version"', "invalid_request_error")
         version = options.policy_version(body["version"]) if "version" in body else self.policy_version
@@ -238,20 +239,22 @@ class Control:
         rec = self._recorder
         writer = rec.writer
         ok = writer is not None
-        answer = {"ok": ok, "write_error": rec.write_error, "proxy": rec.instance, "started": rec.started,
-                  "upstream": s.upstream_display, "engine_profile": self._engine.profile,
-                  "flow_file": str(writer.current_path) if writer and writer.current_path else None,
-                  "records": rec.records, "in_flight": len(rec.inflight), "policy_version": self.policy_version,
-                  "paused": self.pause.paused, "held": self.pause.held}
+        answer: api.StatusAnswer = {
+            "ok": ok, "write_error": rec.write_error, "proxy": rec.instance, "started": rec.started,
+            "upstream": s.upstream_display, "engine_profile": self._engine.profile,
+            "flow_file": str(writer.current_path) if writer and writer.current_path else None,
+            "records": rec.records, "in_flight": len(rec.inflight), "policy_version": self.policy_version,
+            "paused": self.pause.paused, "held": self.pause.held}
         respond(flow, 200 if ok else 503, answer)
 
 
-def respond(flow: http.HTTPFlow, status: int, answer: dict[str, Any]) -> None:
+def respond(flow: http.HTTPFlow, status: int, answer: Mapping[str, object]) -> None:
     flow.response = http.Response.make(status, json.dumps(answer).encode(), {"content-type": "application/json"})
 
 
-def answer_refusable(flow: http.HTTPFlow, action: str, make: Callable[[], dict[str, Any]]) -> None:
+def answer_refusable(flow: http.HTTPFlow, action: str, make: Callable[[], Mapping[str, object]]) -> None:
     """Answer `make()` with 200, or its `Refused` as `{"error": ...}` (a warning for 401 / 403)."""
+    answer: Mapping[str, object]
     try:
         status, answer = 200, make()
     except Refused as e:

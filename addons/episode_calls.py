@@ -1,5 +1,4 @@
-"""How each episode's calls were answered, for `GET /openforge/v1/episodes/<episode>/calls` (docs/addon.md,
-Episode calls).
+"""How each episode's calls were answered, for `GET /openforge/v1/episodes/<episode>/calls` (docs/control-api.md).
 
 The episode process asks this after its agent exited: an engine or proxy error answer (5xx) to one of its
 calls makes the episode an infrastructure failure, not the policy's (docs/rollouts.md, Failure classes).
@@ -10,7 +9,8 @@ episodes are forgotten past `MAX_EPISODES`.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Any
+
+from openforge.protocols.control import CallError, CallsAnswer
 
 from .bodies import json_object
 from .errors import error_message
@@ -25,7 +25,7 @@ class EpisodeCalls:
     """episode -> (answers by status, the last error answers)."""
 
     def __init__(self) -> None:
-        self._episodes: OrderedDict[str, tuple[Counter[str], list[dict[str, Any]]]] = OrderedDict()
+        self._episodes: OrderedDict[str, tuple[Counter[str], list[CallError]]] = OrderedDict()
 
     def add(self, ex: Exchange, response: ResponseParts | None) -> None:
         """Count a written exchange record of an episode: its status ("none" when it got no answer)."""
@@ -43,6 +43,6 @@ class EpisodeCalls:
             entry[1].append({"status": status, "message": message[:MAX_MESSAGE]})
             del entry[1][:-MAX_ERRORS]
 
-    def answer(self, episode: str) -> dict[str, Any]:
+    def answer(self, episode: str) -> CallsAnswer:
         statuses, errors = self._episodes.get(episode, (Counter(), []))
         return {"episode": episode, "calls": sum(statuses.values()), "statuses": dict(statuses), "errors": errors}

@@ -1,4 +1,4 @@
-"""The pause that hides a weight update from the harness (docs/addon.md, Pause and resume).
+"""The pause that hides a weight update from the harness (docs/control-api.md, Pause and resume).
 
 While paused, each new LLM call waits here instead of going to the engine (which may be reloading or
 restarting); calls already past this point go on untouched. Resume releases every waiting call at once.

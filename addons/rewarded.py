@@ -1,4 +1,5 @@
-"""The episodes that already have a reward, under `openforge_reward_policy=first` (docs/addon.md, Rewards).
+"""The episodes that already have a reward, under `openforge_reward_policy=first` (docs/control-api.md,
+Rewards).
 
 Seeded from the reward records already in the flow directory when the proxy starts, so a restarted proxy
 (`openforge rl --resume`) still refuses a second reward for an episode an earlier one recorded. With a flow

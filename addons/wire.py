@@ -22,11 +22,6 @@ SECRET_PARAMS = frozenset({"key", "api_key", "api-key", "apikey", "x-api-key", "
 DROP_UPSTREAM = frozenset({"x-openforge-episode", "x-openforge-role"})
 DROP_UPSTREAM_BYTES = frozenset(name.encode() for name in DROP_UPSTREAM)
 DROP_UPSTREAM_LLM_BYTES = DROP_UPSTREAM_BYTES | {b"accept-encoding"}  # replaced by identity: we read the answer
-REWARD_PREFIX = "/openforge/v1/episodes/"
-STATUS_PATH = "/openforge/v1/status"
-POLICY_PATH = "/openforge/v1/policy"
-PAUSE_PATH = "/openforge/v1/pause"
-RESUME_PATH = "/openforge/v1/resume"
 
 # User-Agent fragments (lower case) -> toolchain name; first match wins.
 _TOOLCHAINS = (

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS  # noqa: E402
 from openforge.models import hf_dir  # noqa: E402
 from openforge.processes import Child, free_port, mitmdump_command  # noqa: E402
+from openforge.protocols.control import STATUS_PATH  # noqa: E402
 from openforge.vllm_engine import VllmEngine  # noqa: E402
 
 MAX_TOKENS = 16
@@ -80,7 +81,7 @@ def start_proxy(upstream: str, tmp: Path) -> tuple[Child, str]:
                                                f"openforge_flow_dir={tmp / 'flows'}"]),
                   name="mitmdump", log_path=tmp / "mitmdump.log", env=env)
     url = f"http://127.0.0.1:{port}"
-    proxy.wait_ready(f"{url}/openforge/v1/status", 30)
+    proxy.wait_ready(url + STATUS_PATH, 30)
     return proxy, url
 
 

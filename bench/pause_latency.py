@@ -24,6 +24,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from openforge.protocols.control import ControlClient  # noqa: E402
+
 REWARD = "reward-token-bench-0123456789ab"
 CLIENT = "client-token-bench-0123456789ab"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "list the files here"}]}
@@ -46,19 +49,19 @@ async def call(client: httpx.AsyncClient, url: str, stream: bool) -> float:
 
 async def held_round(client: httpx.AsyncClient, base: str, calls: int, pause: float) -> list[tuple[bool, float]]:
     """(streamed, latency less the time before the resume was sent) per call of one paused round."""
-    control = {"authorization": f"Bearer {REWARD}"}
+    control = ControlClient(base, REWARD)
     paused_at = time.monotonic()
-    (await client.post(f"{base}/openforge/v1/pause", headers=control)).raise_for_status()
+    await asyncio.to_thread(control.pause)
     starts: list[float] = []
     tasks = []
     for i in range(calls):
         starts.append(time.monotonic())
         tasks.append(asyncio.create_task(call(client, f"{base}/e/held/v1/chat/completions", i % 2 == 0)))
-    while (await client.get(f"{base}/openforge/v1/status")).json()["held"] < calls:
+    while (await asyncio.to_thread(control.status))["held"] < calls:
         await asyncio.sleep(0.01)
     await asyncio.sleep(max(0.0, paused_at + pause - time.monotonic()))
     resumed_at = time.monotonic()
-    (await client.post(f"{base}/openforge/v1/resume", headers=control)).raise_for_status()
+    await asyncio.to_thread(control.resume)
     latencies = await asyncio.gather(*tasks)
     return [(i % 2 == 0, latency - (resumed_at - starts[i])) for i, latency in enumerate(latencies)]
 

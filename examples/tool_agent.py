@@ -24,12 +24,19 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openforge.examples.tasks import TASKS, Task
 
+if TYPE_CHECKING:
+    from openai.types.chat import (
+        ChatCompletionMessageParam,
+        ChatCompletionMessageToolCallParam,
+        ChatCompletionToolParam,
+    )
+
 SYSTEM = "You are a careful assistant. Use the calculator tool for arithmetic, then reply with the number only."
-TOOLS = [
+TOOLS: list[ChatCompletionToolParam] = [
     {
         "type": "function",
         "function": {
@@ -46,10 +53,11 @@ TOOLS = [
 ASK = " Use the calculator."  # in every question, worked examples included: the model copies the pattern
 
 
-def worked_example(question: str, expression: str, result: str, n: int) -> list[dict[str, Any]]:
+def worked_example(question: str, expression: str, result: str, n: int) -> list[ChatCompletionMessageParam]:
     """One solved exchange: question, calculator call, tool result, answer."""
-    call = {"id": f"call_{n}", "type": "function",
-            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+    arguments = json.dumps({"expression": expression})
+    call: ChatCompletionMessageToolCallParam = {
+        "id": f"call_{n}", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
     return [
         {"role": "user", "content": question + ASK},
         {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -121,7 +129,7 @@ class Episode:
 
     episode_id: str
     task: Task
-    messages: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[ChatCompletionMessageParam] = field(default_factory=list)
     tool_results: list[tuple[str, str, str]] = field(default_factory=list)  # (name, arguments, result)
     final: str | None = None
     n_calls: int = 0
@@ -142,7 +150,7 @@ def run_episode(
     key = os.environ.get("OPENFORGE_CLIENT_TOKEN", "openforge-demo")  # a proxy with client tokens checks it
     base_url = base_url or f"{proxy}/e/{episode.episode_id}"
     client = OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=timeout)
-    messages: list[dict[str, Any]] = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": SYSTEM}, *FEW_SHOT, {"role": "user", "content": task.question + ASK}]
     try:
         for _ in range(max_turns):
@@ -156,10 +164,10 @@ def run_episode(
                 episode.final = message.content or ""
                 messages.append({"role": "assistant", "content": episode.final})
                 break
-            calls = [
+            calls: list[ChatCompletionMessageToolCallParam] = [
                 {"id": c.id, "type": "function",
                  "function": {"name": c.function.name, "arguments": canonical(c.function.arguments)}}
-                for c in message.tool_calls
+                for c in message.tool_calls if c.type == "function"
             ]
             messages.append({"role": "assistant", "content": message.content or None, "tool_calls": calls})
             for call in calls:

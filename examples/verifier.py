@@ -16,10 +16,9 @@ import json
 import os
 import re
 
-import httpx
-
 from openforge.examples.tasks import Task
 from openforge.examples.tool_agent import Episode
+from openforge.protocols.control import ControlClient
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -39,18 +38,9 @@ def report(proxy: str, episode: Episode, reward: float, timeout: float = 10.0) -
     """POST {proxy}/openforge/v1/episodes/<episode>/reward: the proxy writes it into the flow file.
 
     A proxy with reward tokens (docs/addon.md, Security) takes the one in $OPENFORGE_REWARD_TOKEN."""
-    token = os.environ.get("OPENFORGE_REWARD_TOKEN")
-    response = httpx.post(
-        f"{proxy}/openforge/v1/episodes/{episode.episode_id}/reward",
-        headers={"authorization": f"Bearer {token}"} if token else None,
-        json={
-            "reward": reward,
-            "task_id": episode.task.id,
-            "metadata": {"calls": episode.n_calls, "final": episode.final, "error": episode.error},
-        },
-        timeout=timeout,
-    )
-    response.raise_for_status()
+    client = ControlClient(proxy, os.environ.get("OPENFORGE_REWARD_TOKEN"), timeout=timeout)
+    client.reward(episode.episode_id, reward, episode.task.id,
+                  {"calls": episode.n_calls, "final": episode.final, "error": episode.error})
     episode.reward = reward
 
 

@@ -196,9 +196,10 @@ def load_model(gguf: Path | str | None = None, dtype: torch.dtype | None = None)
 
 def make_serializable(model: PreTrainedModel) -> None:
     """Drop the GGUF "quantizer" marker: the weights are already plain tensors after loading, but
-    `save_pretrained` refuses models "quantized with gguf" while the marker is there."""
+    `save_pretrained` refuses models "quantized with gguf" while the marker is there. Both attributes are
+    set on the instance by `from_pretrained`; `nn.Module.__setattr__` is typed for tensors and modules only."""
     if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
-    model.is_quantized = False
+    model.is_quantized = False  # type: ignore[assignment]

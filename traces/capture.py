@@ -24,8 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
-
+from openforge.protocols.control import ControlClient  # noqa: E402
 from openforge.testing.proxy import Proxy  # noqa: E402
 from openforge.testing.reconstruct_flows import qwen_tokenizer  # noqa: E402
 from openforge.testing.toolchain_engine import ToolchainEngine  # noqa: E402
@@ -56,8 +55,7 @@ def capture(name: str, out_dir: Path, tokenizer: object) -> dict[str, object]:
                 if res.returncode != 0:
                     raise SystemExit(f"{name} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
                 reward = 1.0 if with_marker else 0.0
-                httpx.post(f"{proxy.url}/openforge/v1/episodes/{episode}/reward",
-                           json={"reward": reward, "task_id": f"{name}:list-files"}).raise_for_status()
+                ControlClient(proxy.url).reward(episode, reward, f"{name}:list-files")
                 episodes.append({"episode": episode, "marker_file": with_marker, "reward": reward,
                                  "seconds": round(time.time() - t0, 1)})
         finally:

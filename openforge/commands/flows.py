@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,7 +24,7 @@ def _map(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def summary(record: dict[str, Any]) -> dict[str, Any]:
+def summary(record: Mapping[str, Any]) -> dict[str, Any]:
     """The per-record fields `--json` prints (stable keys for scripts); a damaged record shows what it holds."""
     if record.get("type") == "reward":
         return {"type": "reward", "id": record.get("id"), "episode": record.get("episode"),

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from openforge.commands import FAILED, fail
+
+if TYPE_CHECKING:
+    from openforge.reconstruct.summary import Summary
 
 
 class Advantage(StrEnum):
@@ -87,7 +91,7 @@ def reconstruct_command(
     Running it again on the same or a growing set of files adds only what is new.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
     from openforge.reconstruct.rewards import MissingReward, RewardFileError
 
@@ -143,7 +147,7 @@ def reconstruct_command(
                 fail(str(e))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeRemainingColumn(), console=console) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def progress(stage: str, done: int, total: int) -> None:
             if stage not in tasks:
@@ -163,7 +167,7 @@ def reconstruct_command(
     print_summary(summary)
 
 
-def print_summary(summary) -> None:
+def print_summary(summary: Summary) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -27,7 +28,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(replay_app, name="replay")
 
 
-def _load(trace: list[Path]):  # the replay module's exchange list; imported only when a command runs
+def _load(trace: list[Path]) -> list[dict[str, Any]]:  # the replay module is imported only when a command runs
     from openforge.replay import ReplayError, load_exchanges
 
     try:

@@ -11,6 +11,7 @@ from typing import Any
 import typer
 
 from openforge.commands import FAILED, fail
+from openforge.protocols.control import ControlClient, ControlError
 
 
 def register(app: typer.Typer) -> None:
@@ -29,15 +30,9 @@ def _about(value: str) -> str:
 
 def _flow_dir(proxy: str, token: str | None) -> Path | None:
     """The proxy's flow directory, from its status answer (a proxy on this machine)."""
-    import urllib.request
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
-        with opener.open(urllib.request.Request(f"{proxy.rstrip('/')}/openforge/v1/status", headers=headers),
-                         timeout=10) as answer:
-            flow_file = json.loads(answer.read()).get("flow_file")
-    except (OSError, ValueError, AttributeError):
+        flow_file = ControlClient(proxy, token, timeout=10, tries=1).status().get("flow_file")
+    except ControlError:
         return None
     return Path(flow_file).parent if isinstance(flow_file, str) and Path(flow_file).parent.is_dir() else None
 

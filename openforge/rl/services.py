@@ -21,10 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from openforge.engine import EmbeddedEngine, EngineError, EngineProcess
 from openforge.processes import Child, free_port, listens, mitmdump_command, without_secrets
+from openforge.protocols.control import ControlClient
 from openforge.rl.config import RLConfig
 
 if TYPE_CHECKING:
@@ -75,32 +74,12 @@ class ProxyProcess:
             child.stop(signal.SIGINT, 15)
 
 
-class ControlAPI:
-    """The proxy's control endpoints the loop uses, with its reward token (docs/addon.md)."""
-
-    def __init__(self, url: str, token: str) -> None:
-        self.http = httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=60)
-
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        answer = self.http.post(path, json=body or {})
-        if answer.status_code != 200:
-            raise EngineError(f"proxy {path} answered {answer.status_code}: {answer.text[:300]}")
-        return answer.json()
-
-    def status(self) -> dict[str, Any]:
-        """Also makes sure every answered call is in the flow file."""
-        answer = self.http.get("/openforge/v1/status")
-        answer.raise_for_status()
-        return answer.json()
-
-    def pause(self, timeout_s: float) -> None:
-        self._post("/openforge/v1/pause", {"timeout_s": timeout_s})
-
-    def resume(self, version: int) -> None:
-        self._post("/openforge/v1/resume", {"version": version})
+class ControlAPI(ControlClient):
+    """The loop's name for `ControlClient` (with its reward token), with a `close` the loop calls: each
+    request opens its own connection, so there is nothing to close."""
 
     def close(self) -> None:
-        self.http.close()
+        pass
 
 
 def proxy_routes(cfg: RLConfig, greedy: bool = False) -> dict[str, Any]:
@@ -206,7 +185,7 @@ class VllmPolicy(Policy):
         return target
 
 
-def publish(control: ControlAPI, policy: Policy, weights: Weights, version: int, out: Path,
+def publish(control: ControlClient, policy: Policy, weights: Weights, version: int, out: Path,
             pause_timeout: float) -> tuple[Path, float]:
     """New calls wait in the proxy while the engine takes the weights; they go on, stamped `version`, after.
     (served path, seconds the proxy was paused). The proxy stays paused if publishing fails: nothing reaches

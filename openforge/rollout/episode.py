@@ -27,14 +27,13 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from openforge.processes import stop_group
+from openforge.protocols.control import CallsAnswer, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout import sandbox
 from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
@@ -208,25 +207,14 @@ def python_crash(stderr: str) -> str | None:
 
 def post_reward(spec: EpisodeSpec, reward: float, status: str, key: str | None) -> str | None:
     """POST the reward to the proxy with this episode's reward key; None once accepted, else why not."""
-    body = json.dumps({"reward": reward, "task_id": spec.task.id, "metadata": {
-        "toolchain": spec.adapter.name, "attempt": spec.attempt, "run_id": spec.run_id, "status": status}}).encode()
-    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
-    url = f"{spec.proxy_url.rstrip('/')}/openforge/v1/episodes/{spec.episode}/reward"
-    # never through an HTTP(S)_PROXY of the environment: the proxy URL is where rewards go
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    why = "not tried"
-    for attempt in range(POST_TRIES):
-        try:
-            with opener.open(urllib.request.Request(url, body, headers, method="POST"), timeout=30) as answer:
-                if answer.status == 200:
-                    return None
-                why = f"HTTP {answer.status}"
-        except urllib.error.HTTPError as e:  # an answer: retrying does not change it
-            return f"reward post refused: HTTP {e.code} {e.read()[:200].decode(errors='replace')}"
-        except (urllib.error.URLError, OSError) as e:
-            why = f"reward post failed: {getattr(e, 'reason', e)}"
-        time.sleep(0.5 * (attempt + 1))
-    return why
+    metadata = {"toolchain": spec.adapter.name, "attempt": spec.attempt, "run_id": spec.run_id, "status": status}
+    try:
+        ControlClient(spec.proxy_url, key, tries=POST_TRIES).reward(spec.episode, reward, spec.task.id, metadata)
+    except ControlError as e:
+        if e.status is None:
+            return f"reward post failed: {e.message}"
+        return f"reward post refused: HTTP {e.status} {e.message}"
+    return None
 
 
 class Confinement:
@@ -333,19 +321,15 @@ def _verdict(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out
         raise VerifyFailed(result, f"verifier: {e}") from None
 
 
-def proxy_calls(spec: EpisodeSpec, key: str | None) -> dict[str, Any] | None:
+def proxy_calls(spec: EpisodeSpec, key: str | None) -> CallsAnswer | None:
     """The proxy's count of this episode's calls by answer status, with its last error answers
     (`GET /openforge/v1/episodes/<episode>/calls`, with the episode's reward key); None when it cannot say
     (a proxy without that endpoint, or none)."""
-    url = f"{spec.proxy_url.rstrip('/')}/openforge/v1/episodes/{spec.episode}/calls"
-    headers = {"authorization": f"Bearer {key}"} if key else {}
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(urllib.request.Request(url, headers=headers), timeout=30) as answer:
-            calls = json.loads(answer.read())
-    except (urllib.error.URLError, OSError, ValueError):
+        calls = ControlClient(spec.proxy_url, key, tries=1).calls(spec.episode)
+    except ControlError:
         return None
-    return calls if isinstance(calls, dict) and isinstance(calls.get("statuses"), dict) else None
+    return calls if isinstance(calls.get("statuses"), dict) else None
 
 
 def _classified(result: EpisodeResult, calls: Mapping[str, Any] | None) -> EpisodeResult:
@@ -370,7 +354,7 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
                            attempt=spec.attempt, status="ok", reward=None)
     work, home = Path(spec.workdir), Path(spec.home)
     env = base_env(home, parent)
-    calls: dict[str, Any] | None = None
+    calls: CallsAnswer | None = None
     try:
         box = Confinement(spec)
         _setup_workspace(spec, env, out)

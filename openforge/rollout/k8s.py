@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -58,8 +58,10 @@ _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
-_SUFFIX = {"": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-           "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_SUFFIX: dict[str, Decimal | int] = {
+    "": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
 
 
 class K8sOptionsError(ValueError):
@@ -411,6 +413,16 @@ def _finished(job_obj: Any) -> tuple[bool, str, bool]:
     return False, "", False
 
 
+_Model = TypeVar("_Model")
+
+
+def _model(from_dict: Callable[[dict[str, Any]], _Model | None], manifest: dict[str, Any]) -> _Model:
+    """A manifest as the client's model object (`from_dict` answers None only for None)."""
+    obj = from_dict(manifest)
+    assert obj is not None
+    return obj
+
+
 def submit(specs: Sequence[EpisodeSpec], options: K8sOptions, *, concurrency: int = 16,
            context: str | None = None,
            on_done: Callable[[EpisodeResult], None] = lambda r: None) -> list[EpisodeResult]:
@@ -436,17 +448,19 @@ def submit(specs: Sequence[EpisodeSpec], options: K8sOptions, *, concurrency: in
     results: dict[str, EpisodeResult] = {}
 
     def start(spec: EpisodeSpec, cm: dict[str, Any], jb: dict[str, Any]) -> None:
-        core.create_namespaced_config_map(ns, client.V1ConfigMap.from_dict(cm))
-        created = batch.create_namespaced_job(ns, client.V1Job.from_dict(jb))
+        core.create_namespaced_config_map(ns, _model(client.V1ConfigMap.from_dict, cm))
+        created = batch.create_namespaced_job(ns, _model(client.V1Job.from_dict, jb)).metadata
+        assert created is not None  # the API server answers with the Job it created, its name and uid set
         # the ConfigMap goes with its Job when the Job's TTL deletes it
         core.patch_namespaced_config_map(cm["metadata"]["name"], ns, {"metadata": {"ownerReferences": [{
-            "apiVersion": "batch/v1", "kind": "Job", "name": created.metadata.name, "uid": created.metadata.uid}]}})
+            "apiVersion": "batch/v1", "kind": "Job", "name": created.name, "uid": created.uid}]}})
         running[jb["metadata"]["name"]] = spec
 
     def collect(name: str, reason: str, timeout: bool) -> None:
         spec = running.pop(name)
         pods = core.list_namespaced_pod(ns, label_selector=f"job-name={name}").items
-        log = core.read_namespaced_pod_log(pods[0].metadata.name, ns, container=CONTAINER) if pods else ""
+        pod = pods[0].metadata if pods else None
+        log = core.read_namespaced_pod_log(pod.name, ns, container=CONTAINER) if pod and pod.name else ""
         out = Path(spec.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "pod.log").write_text(log)
@@ -465,7 +479,7 @@ def submit(specs: Sequence[EpisodeSpec], options: K8sOptions, *, concurrency: in
                 if e.status != 404:
                     raise
 
-    net.create_namespaced_network_policy(ns, client.V1NetworkPolicy.from_dict(manifests.policy))
+    net.create_namespaced_network_policy(ns, _model(client.V1NetworkPolicy.from_dict, manifests.policy))
     try:
         while pending or running:
             while pending and len(running) < concurrency:

@@ -22,8 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openforge.processes import signal_group, stop_group
+from openforge.protocols.control import STATUS_PATH, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
 from openforge.rollout.failures import POLICIES, classify, policies
@@ -238,30 +237,23 @@ def check_proxy(proxy: str, client_token: str | None = None, reward_token: str |
     """RolloutError unless the proxy at `proxy` answers its readiness probe (`GET /openforge/v1/status`, with
     the client token, else the reward token): before any episode runs, not once per episode."""
     client, reward = tokens(client_token, reward_token)
-    url = f"{proxy.rstrip('/')}/openforge/v1/status"
-    token = client or reward
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP(S)_PROXY
     try:
-        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout) as answer:
-            body = json.loads(answer.read())
-            if not isinstance(body, dict) or body.get("ok") is not True:
-                raise ValueError(body)
-    except urllib.error.HTTPError as e:
-        detail = e.read()[:300].decode(errors="replace")
-        if e.code == 401:
+        ready = ControlClient(proxy, client or reward, timeout=timeout, tries=1).status().get("ok") is True
+    except ControlError as e:
+        if e.status is None:
+            raise RolloutError(f"the proxy at {proxy} does not answer (GET {STATUS_PATH}: {e.message}); start it "
+                               "first (openforge proxy)") from None
+        if e.status == 401:
             raise RolloutError(f"the proxy at {proxy} refuses the token given (HTTP 401): set "
                                f"{CLIENT_TOKEN_ENV} to one of its openforge_client_tokens") from None
-        if e.code == 503:
-            raise RolloutError(f"the proxy at {proxy} is not ready (HTTP 503): {detail}") from None
-        raise RolloutError(f"{proxy} is not an OpenForge proxy (GET /openforge/v1/status answered HTTP {e.code})") \
-            from None
-    except (urllib.error.URLError, OSError) as e:
-        raise RolloutError(f"the proxy at {proxy} does not answer (GET /openforge/v1/status: "
-                           f"{getattr(e, 'reason', e)}); start it first (openforge proxy)") from None
-    except ValueError:
-        raise RolloutError(f"{proxy} is not an OpenForge proxy (GET /openforge/v1/status did not answer "
-                           f"its JSON)") from None
+        if e.status == 503:
+            raise RolloutError(f"the proxy at {proxy} is not ready (HTTP 503): {e.message}") from None
+        if e.status != 200:
+            raise RolloutError(f"{proxy} is not an OpenForge proxy (GET {STATUS_PATH} answered HTTP {e.status})") \
+                from None
+        ready = False
+    if not ready:
+        raise RolloutError(f"{proxy} is not an OpenForge proxy (GET {STATUS_PATH} did not answer its JSON)")
 
 
 def check_sandbox(sandbox: str, backend: str) -> str:

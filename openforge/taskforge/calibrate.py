@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openforge.protocols.control import ControlClient, ControlError
 from openforge.rollout.run_failure import every_episode_failed
 from openforge.rollout.runner import OnFailure, RolloutError, counted_reward, passed, prepare, tokens
 from openforge.rollout.spec import EpisodeResult
@@ -103,14 +103,9 @@ def out_of_band(rates: dict[str, TaskRate], band: tuple[float, float]) -> dict[s
 def policy_version(proxy: str, client_token: str | None = None, timeout: float = 10.0) -> int | None:
     """The policy version the proxy stamps on new calls (`GET /openforge/v1/policy`), None when it does not
     say (an older proxy, or no answer)."""
-    token = tokens(client_token, None)[0]
-    request = urllib.request.Request(f"{proxy.rstrip('/')}/openforge/v1/policy",
-                                     headers={"authorization": f"Bearer {token}"} if token else {})
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through an HTTP(S)_PROXY
     try:
-        with opener.open(request, timeout=timeout) as answer:
-            version = json.loads(answer.read()).get("version")
-    except (OSError, ValueError, AttributeError):
+        version = ControlClient(proxy, tokens(client_token, None)[0], timeout=timeout, tries=1).policy().get("version")
+    except ControlError:
         return None
     return version if isinstance(version, int) and not isinstance(version, bool) else None
 

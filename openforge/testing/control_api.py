@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-
 from openforge.addons.flowfile import ExchangeRecord, expand_paths, open_flow_file
+from openforge.protocols.control import ControlClient
 
 CLIENT_TOKEN = "of-client-TOKEN-0123456789abcdef"
 REWARD_TOKEN = "of-reward-TOKEN-0123456789abcdef"
@@ -20,6 +19,6 @@ def bearer(token: str) -> dict[str, str]:
 
 def exchanges(proxy: Any, episode: str) -> list[ExchangeRecord]:
     """The episode's exchange records; the status call first makes sure every answered call is written."""
-    httpx.get(f"{proxy.url}/openforge/v1/status", headers=bearer(CLIENT_TOKEN)).raise_for_status()
+    ControlClient(proxy.url, CLIENT_TOKEN).status()
     return [r for path in expand_paths([proxy.flow_dir]) for r in open_flow_file(path).records()
             if r["type"] == "exchange" and r["episode"] == episode]

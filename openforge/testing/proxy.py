@@ -5,14 +5,12 @@ Standard library only: it runs in the Python 3.12 proxy environment too.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 from openforge.processes import Child, ChildError, free_port, listens, mitmdump_command
+from openforge.protocols.control import ControlClient, StatusAnswer
 
 
 class Proxy:
@@ -42,11 +40,9 @@ class Proxy:
             raise RuntimeError(f"{e}\n{self.log()}") from None
         return self
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusAnswer:
         """The addon's status answer; once it is back, every exchange answered before is in the flow file."""
-        with urllib.request.urlopen(f"{self.url}/openforge/v1/status", timeout=10) as r:
-            answer: dict[str, Any] = json.load(r)
-            return answer
+        return ControlClient(self.url, timeout=10).status()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

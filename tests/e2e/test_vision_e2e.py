@@ -10,7 +10,6 @@ import hashlib
 import io
 import json
 import math
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from typer.testing import CliRunner
 from openforge.cli import app
 from openforge.examples.gui import GuiTask, after_click, score
 from openforge.examples.gui_agent import run_episode
+from openforge.protocols.control import ControlClient
 from openforge.reconstruct.tokenize import load_tokenizer
 from openforge.testing.gui_engine import GuiEngine
 from openforge.testing.reconstruct_flows import db_rows
@@ -33,12 +33,6 @@ from openforge.trainer.train import train
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The policy: its weights, tokenizer, image processor and a Qwen3-VL-style template (tools rendered)."""
     return tiny_vl_model_dir(tmp_path_factory.mktemp("vl") / "model", chat_template=qwen3_vl_chat_template())
-
-
-def post_reward(proxy_url: str, episode: str, reward: float) -> None:
-    request = urllib.request.Request(f"{proxy_url}/openforge/v1/episodes/{episode}/reward",
-                                     json.dumps({"reward": reward}).encode(), {"content-type": "application/json"})
-    urllib.request.urlopen(request, timeout=10).close()
 
 
 @pytest.mark.parametrize("profile", ["vllm", "generic"])  # prompt and completion ids from the engine / rendered
@@ -56,7 +50,7 @@ def test_gui_episodes_become_exact_vl_samples_and_train(start_proxy: Any, model_
                 [[x, y]] = done.screen.clicks
                 for png in (task.screenshot(), after_click(task.screenshot(), x, y)):
                     sent[hashlib.sha256(png).hexdigest()] = png
-                post_reward(proxy.url, episode, score(task, done.screen.clicks) - 0.5 * seed)
+                ControlClient(proxy.url).reward(episode, score(task, done.screen.clicks) - 0.5 * seed)
         proxy.status()  # every answered exchange is on disk
         flows = proxy.flow_files()
 

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from openforge.addons import options
+from openforge.protocols.control import ControlClient, StatusAnswer
 from openforge.testing.control_api import CLIENT_TOKEN, REWARD_TOKEN, TOKENS_ENV, bearer, exchanges
 from openforge.testing.scripted_engine import ScriptedEngine
 
@@ -48,8 +49,8 @@ def control(proxy: Any, action: str, token: str | None = REWARD_TOKEN, **kwargs:
     return httpx.request(method, f"{proxy.url}/openforge/v1/{action}", headers=headers, timeout=30, **kwargs)
 
 
-def status(proxy: Any) -> dict[str, Any]:
-    return httpx.get(f"{proxy.url}/openforge/v1/status", headers=bearer(CLIENT_TOKEN), timeout=30).json()
+def status(proxy: Any) -> StatusAnswer:
+    return ControlClient(proxy.url, CLIENT_TOKEN).status()
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:

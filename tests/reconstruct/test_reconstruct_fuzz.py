@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from openforge.addons.flowfile import pack
+from openforge.protocols.control import ControlClient
 from openforge.reconstruct import Summary, reconstruct, store
 from openforge.reconstruct.protocols import sse_events
 from openforge.testing.reconstruct_flows import BASH, db_rows, qwen_path
@@ -57,7 +58,7 @@ def _capture(start_module_proxy: Any, qwen_tok: Any, episode: str) -> Path:
         for content in (f"hey {episode}", [{"type": "text", "text": f"ho {episode}"}]):
             _post(f"{base}/v1/messages", {"model": "m", "max_tokens": 50, "stream": isinstance(content, str),
                                           "messages": [{"role": "user", "content": content}]})
-        _post(f"{proxy.url}/openforge/v1/episodes/{episode}/reward", {"reward": 1.0, "task_id": "t"})
+        ControlClient(proxy.url).reward(episode, 1.0, "t")
         proxy.stop()
     [path] = proxy.flow_files()
     return path

@@ -13,8 +13,6 @@ import os
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from openforge.protocols.control import ControlClient, ControlError
 from openforge.rollout import run
 from openforge.rollout.episode import Secrets, parse_reward, run_episode
 from openforge.rollout.failures import DEFAULT_POLICY, classify, policies
@@ -259,19 +258,12 @@ def test_engine_errors_seen_by_the_proxy_are_dropped_and_the_models_malformed_ca
     overall = rollout.summary["overall"]
     assert overall["failure_classes"] == {"agent": 1, "engine": 1} and overall["mean_reward"] == 0.5
     # the endpoint the episode asked: the reward token (or the episode's key) reads it, an agent's token does not
-    url = f"{proxy.url}/openforge/v1/episodes/{got['down'].episode}/calls"
-
-    def read(token: str) -> tuple[int, Any]:
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers={"authorization": f"Bearer {token}"}),
-                                        timeout=30) as answer:
-                return answer.status, json.load(answer)
-        except urllib.error.HTTPError as e:
-            return e.code, None
-
-    assert read(CLIENT)[0] == 403
-    status, body = read(REWARD)
-    assert status == 200 and body["statuses"] == {"500": 1} and "CUDA error" in body["errors"][0]["message"]
+    episode = got["down"].episode
+    with pytest.raises(ControlError) as refused:
+        ControlClient(proxy.url, CLIENT).calls(episode)
+    assert refused.value.status == 403
+    body = ControlClient(proxy.url, REWARD).calls(episode)
+    assert body["statuses"] == {"500": 1} and "CUDA error" in body["errors"][0]["message"]
 
 
 def test_rollout_refuses_to_start_when_the_proxy_does_not_answer(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from openforge.protocols.control import STATUS_PATH, reward_path
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout import run
 from openforge.rollout.runner import RolloutError, prepare
@@ -184,7 +185,7 @@ def fake_proxy() -> tuple[ThreadingHTTPServer, list[tuple[str, str]]]:
             self.wfile.write(b"{}")
 
         def do_GET(self) -> None:  # the readiness probe before the rollout; no count of an episode's calls
-            found = self.path == "/openforge/v1/status"
+            found = self.path == STATUS_PATH
             self.send_response(200 if found else 404)
             self.send_header("content-length", "12")
             self.end_headers()
@@ -242,7 +243,7 @@ def test_the_episode_key_arrives_on_stdin_and_is_what_the_reward_is_posted_with(
         server.shutdown()
     [r] = rollout.results
     assert (r.status, r.reward, r.reward_posted) == ("ok", 0.5, True), r
-    assert seen == [(f"/openforge/v1/episodes/{r.episode}/reward", f"Bearer {episode_reward_key(REWARD, r.episode)}")]
+    assert seen == [(reward_path(r.episode), f"Bearer {episode_reward_key(REWARD, r.episode)}")]
     assert (tmp_path / "out" / "episodes" / r.episode / "work" / "hits.txt").read_text() == ""
     spec = (tmp_path / "out" / "episodes" / r.episode / "spec.json").read_text()
     assert REWARD not in spec and "ofep-" not in spec
