@@ -27,6 +27,7 @@ from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.attention import choose_attention, to_device
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
+from openforge.trainer.dist import resolve_precision
 from openforge.trainer.model import load_model
 from openforge.trainer.packing import coefficients, make_row
 from openforge.trainer.train import forward_loss, old_logprobs
@@ -52,8 +53,9 @@ def one_step(model_dir: str, row_tokens: int, logit_chunk: int, grad_checkpointi
     row = to_device(make_row([sample], coefficients([sample], cfg.aggregation), cfg.packing), model, device,
                     row_tokens)
     start = time.perf_counter()
-    old = old_logprobs(model, row, cfg.logit_chunk)
-    loss, _ = forward_loss(model, row, cfg, old_logp=old)
+    precision = resolve_precision(cfg, device)[0]  # as the trainer decides it
+    old = old_logprobs(model, row, cfg.logit_chunk, precision)
+    loss, _ = forward_loss(model, row, cfg, old_logp=old, precision=precision)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()

@@ -46,6 +46,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
+from openforge.trainer.dist import resolve_precision
 from openforge.trainer.model import prepare_model
 from openforge.trainer.packing import Row, coefficients, make_row, plan_rows
 from openforge.trainer.train import forward_loss
@@ -219,7 +220,7 @@ def timed(model, cfg: TrainConfig, device, rows: Iterator[Row]) -> dict[str, flo
     t0 = time.perf_counter()
     for row in rows:
         row = row.to(device)
-        loss, _ = forward_loss(model, row, cfg)
+        loss, _ = forward_loss(model, row, cfg, precision=cfg.precision)
         loss.backward()
         n_rows, real, computed = n_rows + 1, real + row.n_real, computed + row.input_ids.numel()
     if device.type == "cuda":
@@ -256,18 +257,19 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     config = qwen3_config(args.shape, args.row_tokens, args.hidden, args.layers, args.vocab)
-    model = device_model(config, device, args.precision, args.compile)
+    precision = resolve_precision(TrainConfig(precision=args.precision), device)[0]  # as the trainer decides it
+    model = device_model(config, device, precision, args.compile)
     n_params = sum(p.numel() for p in model.parameters())
     modes = set(args.modes.split(","))
     lengths = agent_lengths(args.samples, args.row_tokens, rng)
     batch = make_batch(lengths, config.vocab_size, rng)
-    print(f"{device.type}: {args.shape or 'custom'} {n_params / 1e6:.1f}M params, precision {args.precision}"
+    print(f"{device.type}: {args.shape or 'custom'} {n_params / 1e6:.1f}M params, precision {precision}"
           f"{', compiled' if args.compile else ''}, {len(batch)} samples, {lengths.sum()} tokens, "
           f"lengths median {int(np.median(lengths))} p90 {int(np.percentile(lengths, 90))} max {lengths.max()}, "
           f"row_tokens {args.row_tokens}, {torch.get_num_threads()} thread(s)")
 
-    padded = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=False, precision=args.precision)
-    packed = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=True, precision=args.precision)
+    padded = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=False, precision=precision)
+    packed = TrainConfig(row_tokens=args.row_tokens, step_tokens=1 << 30, packing=True, precision=precision)
     longest = int(lengths.max())
     per_row = max(1, args.row_tokens // longest)  # as many as fit at the batch's longest length
     table = {

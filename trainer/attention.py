@@ -28,6 +28,7 @@ from openforge.trainer.tree import subtree_ends
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask, _mask_mod_signature
+    from transformers import PreTrainedModel
 
 BLOCK = 128  # FlexAttention's sparse block size (its default): padded lengths are multiples of it
 
@@ -101,7 +102,8 @@ def row_ends(row: Row) -> torch.Tensor:
     """[B, T] ends of a CPU row: a tree row's subtree ends (`tree.subtree_ends`), a chain row's sample ends."""
     if row.parent is not None:
         return torch.from_numpy(subtree_ends(row.parent[0].numpy()))[None]
-    return chain_ends(row.position_ids, row.attention_mask)
+    mask = row.attention_mask  # a CPU row's: a tensor or None (BlockMasks are made on the device)
+    return chain_ends(row.position_ids, mask if isinstance(mask, torch.Tensor) else None)
 
 
 def interval_mask(ends: torch.Tensor) -> _mask_mod_signature:
@@ -135,7 +137,7 @@ def flex_row(row: Row, row_tokens: int, device: torch.device) -> Row:
     return padded
 
 
-def to_device(row: Row, model: torch.nn.Module, device: torch.device, row_tokens: int) -> Row:
+def to_device(row: Row, model: PreTrainedModel, device: torch.device, row_tokens: int) -> Row:
     """The row on `device` in the form the model's attention takes: `flex_row` for a model loaded with
     flex_attention, the row as it is otherwise."""
     if model.config._attn_implementation == "flex_attention":

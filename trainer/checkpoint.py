@@ -17,10 +17,9 @@ import pickle
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -28,10 +27,15 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.optim.lr_scheduler import LRScheduler
 
 from openforge.trainer.config import TrainConfig, dump_toml
 from openforge.trainer.data import DataError, Position
+from openforge.trainer.dist import barrier, broadcast_
 from openforge.trainer.model import tokenizer_files
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -92,8 +96,8 @@ def check_weights(path: Path) -> None:
         raise CheckpointDamaged(f"weights unreadable ({e})") from None
 
 
-def save(out: str, step: int, position: Position, model: torch.nn.Module, tokenizer_dir: str, optimizer, scheduler,
-         cfg: TrainConfig, rank: int) -> Path:
+def save(out: str, step: int, position: Position, model: PreTrainedModel, tokenizer_dir: str,
+         optimizer: torch.optim.Optimizer, scheduler: LRScheduler, cfg: TrainConfig, rank: int) -> Path:
     """Gather full weights and optimizer state onto rank 0 and write them; every rank must call this."""
     model_state = full_weights(model, step)
     optim_state = get_optimizer_state_dict(model, optimizer, options=FULL)
@@ -114,15 +118,14 @@ def save(out: str, step: int, position: Position, model: torch.nn.Module, tokeni
         (tmp / "train.toml").write_text(dump_toml(cfg))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return final
 
 
-def full_weights(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
+def full_weights(model: PreTrainedModel, step: int) -> dict[str, torch.Tensor]:
     """The model's full weights on CPU, gathered on rank 0 (tied ones once, as save_pretrained writes them);
     DataError when one is not finite. Every rank must call this."""
-    state = drop_tied(model, get_model_state_dict(model, options=FULL))
+    state = drop_tied(model, cast(dict[str, torch.Tensor], get_model_state_dict(model, options=FULL)))  # full: tensors
     refuse_non_finite(state, step, next(model.parameters()).device)
     return state
 
@@ -147,15 +150,13 @@ def write_weights(state: Mapping[str, torch.Tensor], model_dir: Path, out: Path)
 def refuse_non_finite(state: dict[str, torch.Tensor], step: int, device: torch.device) -> None:
     """The last line of defence: a checkpoint with a non-finite weight is never written."""
     bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    count = torch.tensor(len(bad), device=device)
-    if dist.is_initialized():
-        dist.broadcast(count, 0)  # the full weights are gathered on rank 0 only
+    count = broadcast_(torch.tensor(len(bad), device=device))  # the full weights are gathered on rank 0 only
     if count.item():
         raise DataError(f"not saving step {step}: {count.item()} weight tensor(s) hold non-finite values "
                         f"({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
 
 
-def drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def drop_tied(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A gathered state dict holds tied weights twice (as copies); save them once, as save_pretrained does."""
     if getattr(model.config, "tie_word_embeddings", False):
         output = model.get_output_embeddings()
@@ -164,7 +165,8 @@ def drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     return state
 
 
-def restore(state: dict[str, Any], model: torch.nn.Module, optimizer, scheduler) -> tuple[int, Position]:
+def restore(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler
+            ) -> tuple[int, Position]:
     """Load optimizer/scheduler/RNG state from `latest` (the weights came from its directory)."""
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"], options=FULL)
     scheduler.load_state_dict(state["scheduler"])

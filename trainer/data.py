@@ -8,7 +8,7 @@ Only one global batch of rows is ever held in memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import duckdb
@@ -301,7 +301,8 @@ class SampleSource:
         return dict(self.side.execute(
             "SELECT hash, data FROM images WHERE hash IN (SELECT unnest(?))", [hashes]).fetchall())
 
-    def batches(self, step_tokens: int, start: Position, epochs: int) -> Iterator[tuple[list[Sample], Position]]:
+    def batches(self, step_tokens: int, start: Position, epochs: int
+                ) -> Generator[tuple[list[Sample], Position], None, None]:
         """Global batches of at most `step_tokens` tokens, each with the position after it."""
         for epoch in range(start.epoch, epochs):
             offset = start.offset if epoch == start.epoch else 0
@@ -348,7 +349,9 @@ def _to_samples(batch: pa.RecordBatch) -> Iterator[Sample]:
     weights = cols["weight"].to_pylist()
     processors = cols["processor"].to_pylist()
     for i, sid in enumerate(sample_ids):
-        mask = masks[i].astype(bool)
+        input_ids, loss_mask = ids[i], masks[i]
+        assert input_ids is not None and loss_mask is not None  # NOT NULL in the schema
+        mask = loss_mask.astype(bool)
         mask[0] = False  # the first token has no prediction; in a packed row it would see the previous sample
-        yield Sample(sid, episode_ids[i], ids[i], mask, logprobs[i],
+        yield Sample(sid, episode_ids[i], input_ids, mask, logprobs[i],
                      advantages[i] if advantages[i] is not None else 0.0, rewards[i], weights[i], processors[i])

@@ -5,18 +5,25 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from openforge.trainer.data import DataError
+from openforge.trainer.dist import init_one_rank_group
 
 
 def load_model(path: str, device: torch.device, grad_checkpointing: bool = False, attention: str = "sdpa"
-               ) -> torch.nn.Module:
+               ) -> PreTrainedModel:
     """fp32 weights (the optimizer's master copy); on CUDA the forward runs under bf16 autocast/FSDP.
 
     A config with a vision config (Qwen2.5-VL, Qwen3-VL) loads the whole vision-language model, vision
@@ -25,14 +32,15 @@ def load_model(path: str, device: torch.device, grad_checkpointing: bool = False
     if not (Path(path) / "config.json").is_file():
         raise DataError(f"--model {path} is not a Hugging Face model directory (no config.json)")
     auto = AutoModelForImageTextToText if vl_config(path) is not None else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+    model: PreTrainedModel = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     model.config.use_cache = False
     if grad_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for layer in model.modules():  # transformers checkpoints a block only in training mode: the block's own
             if isinstance(layer, GradientCheckpointingLayer):  # flag, its submodules (dropout) stay in eval mode
                 layer.training = True
-    return model.to(device)
+    cast(torch.nn.Module, model).to(device)  # in place; transformers' wrapper of `to` is typed wrongly
+    return model
 
 
 def vl_config(path: str) -> PretrainedConfig | None:
@@ -94,15 +102,6 @@ def check_vocab(model_path: str, sample_vocabs: list[tuple[int, str]]) -> int:
     return rows
 
 
-def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
-    """The precision a run trains in (`TrainConfig.precision` with auto resolved for the device), and why."""
-    if setting != "auto":
-        return setting, "set in the config"
-    if device.type == "cuda":
-        return "bf16-autocast", "auto on CUDA: fp32 weights, bf16 matmuls under autocast"
-    return "fp32", "auto on CPU: exact fp32, the reference the tests compare against"
-
-
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks (a vision-language model's vision blocks too): the units FSDP2 shards and
     torch.compile compiles."""
@@ -110,15 +109,14 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in block_types]
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, precision: str = "auto") -> None:
+def shard_model(model: torch.nn.Module, precision: str) -> None:
     """FSDP2: each transformer block, then the root; the sharded parameters stay fp32 (the optimizer's master
     copy), gathered as bf16 for compute unless the precision is fp32; gradients reduced in fp32.
 
     One rank with precision bf16 is sharded too: FSDP2's MixedPrecisionPolicy is the least code that keeps
     bf16 weights for forward/backward and fp32 ones in the optimizer and in `get_model_state_dict`
-    (checkpoints), the same path several ranks take."""
-    fp32 = resolve_precision(precision, device)[0] == "fp32"
-    mp = MixedPrecisionPolicy() if fp32 else MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+    (checkpoints), the same path several ranks take. `precision`: resolved (`dist.resolve_precision`)."""
+    mp = MixedPrecisionPolicy() if precision == "fp32" else MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                    reduce_dtype=torch.float32)
     for module in transformer_blocks(model):
         fully_shard(module, mp_policy=mp)
@@ -128,13 +126,11 @@ def shard_model(model: torch.nn.Module, device: torch.device, precision: str = "
 def prepare_model(model: torch.nn.Module, device: torch.device, precision: str, world_size: int, compile: bool,
                   say: Callable[[str], None]) -> bool:
     """Shard the model (several ranks, or precision bf16 on one) and compile its blocks when asked; True when
-    this made the process group (one rank, bf16: FSDP2 needs a group, of one), which the caller destroys."""
-    own_group = precision == "bf16" and not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+    this made the process group (one rank, bf16: FSDP2 needs a group, of one), which the caller destroys.
+    `precision`: resolved (`dist.resolve_precision`)."""
+    own_group = init_one_rank_group(device) if precision == "bf16" else False
     if world_size > 1 or precision == "bf16":
-        shard_model(model, device, precision)
+        shard_model(model, precision)
     if compile:
         compile_blocks(model, device, say)
     return own_group

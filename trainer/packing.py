@@ -13,8 +13,8 @@ rows of all ranks is the batch loss, whatever the packing and the number of rank
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -47,14 +47,13 @@ class Row:
     image_grid_thw: torch.Tensor | None = None  # long [images, 3]; None when the row has no image
 
     def to(self, device: torch.device) -> Row:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Row(move(self.input_ids), move(self.position_ids), move(self.attention_mask), move(self.loss_mask),
-                   move(self.behaviour), move(self.has_behaviour), move(self.advantage), move(self.coef), self.n_real,
-                   move(self.parent), move(self.pixel_values), move(self.image_grid_thw))
+        moved: dict[str, Any] = {f.name: value.to(device, non_blocking=True) for f in fields(self)
+                                 if isinstance(value := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
     def images(self) -> dict[str, torch.Tensor]:
         """The forward's image arguments: none for a row without images."""
-        if self.pixel_values is None:
+        if self.pixel_values is None or self.image_grid_thw is None:
             return {}
         return {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
 
@@ -107,7 +106,8 @@ def plan_rows(samples: list[Sample], row_tokens: int, packing: bool) -> list[lis
         for s in ordered:
             i = next((i for i, f in enumerate(free) if f >= len(s)), None)
             if i is None:
-                rows.append([]), free.append(row_tokens)
+                rows.append([])
+                free.append(row_tokens)
                 i = len(rows) - 1
             rows[i].append(s)
             free[i] -= len(s)
@@ -163,7 +163,7 @@ def trained_tokens(samples: list[Sample]) -> int:
 def _sample_arrays(s: Sample, coef: float) -> tuple[np.ndarray, ...]:
     n = len(s)
     known = s.behaviour_logprobs is not None
-    behaviour = s.behaviour_logprobs if known else np.zeros(n, np.float32)
+    behaviour = s.behaviour_logprobs if s.behaviour_logprobs is not None else np.zeros(n, np.float32)
     return (
         s.input_ids,
         s.loss_mask,

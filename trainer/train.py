@@ -10,43 +10,45 @@ import contextlib
 import itertools
 import json
 import math
-import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from openforge.trainer import checkpoint
 from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.attention import choose_attention, to_device
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
+from openforge.trainer.dist import Compute, all_reduce_max, all_reduce_max_, all_reduce_sum_, compute_init, destroy
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
-from openforge.trainer.model import check_vocab, load_model, prepare_model, resolve_precision, vl_config
+from openforge.trainer.model import check_vocab, load_model, prepare_model, vl_config
 from openforge.trainer.packing import MRope, Row, coefficients, make_row, plan_rows, rank_share
 from openforge.trainer.proximal import ProximalLogprobs, Sources, target_sources
 from openforge.trainer.tree import TreeChoice
 from openforge.trainer.vision import attach_pixels, check_pixels, idle_sample, mrope
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int, precision: str = "auto"
+
+def policy_logprobs(model: PreTrainedModel, row: Row, chunk: int, precision: str = "fp32"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's log-probs of the row's trainable targets and its entropy there (`target_logprobs`), under
-    bf16 autocast when the precision is bf16-autocast (auto on CUDA).
+    bf16 autocast when `precision` (resolved: `dist.resolve_precision`) is bf16-autocast.
 
     The whole model runs (FSDP2 gathers the root's parameters in its forward) but projects nothing onto the
     vocabulary: its final hidden states go to the LM head `chunk` positions at a time.
     """
     positions = logit_positions(row)
     device = row.input_ids.device
-    autocast = torch.autocast(device.type, torch.bfloat16) \
-        if resolve_precision(precision, device)[0] == "bf16-autocast" else contextlib.nullcontext()
+    autocast = torch.autocast(device.type, torch.bfloat16) if precision == "bf16-autocast" \
+        else contextlib.nullcontext()
     with autocast:
         # use_cache=False matters: with a cache, transformers ignores restarting position ids (no packing mask)
         out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
@@ -55,40 +57,44 @@ def policy_logprobs(model: torch.nn.Module, row: Row, chunk: int, precision: str
         return target_logprobs(hidden, model.get_output_embeddings(), row, positions, chunk)
 
 
-def forward_loss(model: torch.nn.Module, row: Row, cfg: TrainConfig, ref: torch.nn.Module | None = None,
-                 old_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def forward_loss(model: PreTrainedModel, row: Row, cfg: TrainConfig, ref: PreTrainedModel | None = None,
+                 old_logp: torch.Tensor | None = None, precision: str = "fp32"
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One forward pass of a row and its loss (the reference model runs without grad); `old_logp` from
-    `old_logprobs`, or None to use the engine's logprobs as the old policy."""
-    logp, entropy = policy_logprobs(model, row, cfg.logit_chunk, cfg.precision)
+    `old_logprobs`, or None to use the engine's logprobs as the old policy; `precision` resolved."""
+    logp, entropy = policy_logprobs(model, row, cfg.logit_chunk, precision)
     with torch.no_grad():
-        ref_logp = policy_logprobs(ref, row, cfg.logit_chunk, cfg.precision)[0] if ref is not None else None
+        ref_logp = policy_logprobs(ref, row, cfg.logit_chunk, precision)[0] if ref is not None else None
     return row_loss(logp, entropy, row, cfg, ref_logp, old_logp)
 
 
 @torch.no_grad()
-def old_logprobs(model: torch.nn.Module, row: Row, chunk: int = TrainConfig.logit_chunk,
-                 precision: str = "auto") -> torch.Tensor:
+def old_logprobs(model: PreTrainedModel, row: Row, chunk: int = TrainConfig.logit_chunk,
+                 precision: str = "fp32") -> torch.Tensor:
     """PPO's old (proximal) policy: the model's logprobs of the row's trainable targets, without grad."""
     return policy_logprobs(model, row, chunk, precision)[0]
 
 
-def proximal_pass(model: torch.nn.Module, source: SampleSource, batches: Iterator[tuple[list[Sample], Position]],
-                  cfg: TrainConfig, rank: int, world_size: int, device: torch.device, rope: MRope | None = None,
-                  idle: Sample | None = None, store: ProximalLogprobs | None = None) -> ProximalLogprobs:
+def proximal_pass(model: PreTrainedModel, source: SampleSource, batches: Iterator[tuple[list[Sample], Position]],
+                  cfg: TrainConfig, compute: Compute, rope: MRope | None = None, idle: Sample | None = None,
+                  store: ProximalLogprobs | None = None) -> ProximalLogprobs:
     """The proximal policy's logprobs of every sample this rank trains in `batches` (the run's steps), at the
     weights before the first update, added to `store` (what a resumed run saved). Each step's share is dealt
     as training deals it (`rank_share`), so a rank computes exactly the samples it will see; those it has
     already are not computed again. Every rank runs as many forwards per step (FSDP collectives)."""
     store = store if store is not None else ProximalLogprobs()
+    device = compute.device
     for batch, _ in batches:
-        share = [s for s in rank_share(batch, rank, world_size, by_episode=cfg.tree) if s.sample_id not in store]
+        share = [s for s in rank_share(batch, compute.rank, compute.world_size, by_episode=bool(cfg.tree))
+                 if s.sample_id not in store]
         attach_pixels(source, share)
         ones = {s.sample_id: 1.0 for s in share} | ({idle.sample_id: 0.0} if idle else {})
         mine = rows_of(share, ones, cfg, rope, idle)
         sources = row_sources(share, ones, cfg, idle)
-        for i in range(reduce_max(len(mine), device)):
+        for i in range(all_reduce_max(len(mine), device)):
             row = mine[i] if i < len(mine) else make_row([idle] if idle else [], ones, cfg.packing, rope)
-            logp = old_logprobs(model, to_device(row, model, device, cfg.row_tokens), cfg.logit_chunk, cfg.precision)
+            logp = old_logprobs(model, to_device(row, model, device, cfg.row_tokens), cfg.logit_chunk,
+                                compute.precision)
             if i < len(mine):
                 store.put(share, sources[i], logp)
     if store.missing():
@@ -128,7 +134,7 @@ class Selection:
     def open(cls, cfg: TrainConfig, where: str, model_dir: str) -> Selection:
         """Refuse, naming samples, a selection the run could not train on to its end (`SampleSource.check`)."""
         ppo = cfg.objective == "ppo"
-        source = SampleSource(cfg.db, where, cfg.shuffle, cfg.seed, cfg.tree,
+        source = SampleSource(cfg.db, where, cfg.shuffle, cfg.seed, bool(cfg.tree),
                               drop_zero_advantage=ppo and not cfg.keep_zero_advantage,
                               group_filter=cfg.group_filter if ppo else "none")
         try:
@@ -138,7 +144,7 @@ class Selection:
                              needs_weight=cfg.aggregation == "episode-mean")
             vl = vl_config(model_dir)
             images = source.check_images(vl.image_token_id if vl else None, cfg.tree is True)
-            if images:
+            if images and vl is not None:  # images are refused without a vision tower
                 check_pixels(source, vl.vision_config)
         except BaseException:
             source.close()
@@ -163,17 +169,11 @@ class Trainer:
                  where: str | None = None) -> None:
         return_freed_memory()
         silence_loading_bars()
-        # --- distributed setup: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain run is rank 0 of 1
         self.cfg = cfg
-        self.rank, self.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        self.master = self.rank == 0
+        self.compute = compute_init(cfg)
+        self.rank, self.world_size, self.master = self.compute.rank, self.compute.world_size, self.compute.is_main
+        self.device = self.compute.device
         self.say = say if self.master else lambda _: None
-        cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(self.device)
-        if self.world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
 
         found = checkpoint.latest(cfg.out, self.say) if resume else None
         if resume and found is None:
@@ -186,13 +186,13 @@ class Trainer:
         self.say(f"attention: {attention} ({why})")
         self.model = load_model(self.model_dir, self.device, cfg.grad_checkpointing, attention)
         self.rope = mrope(self.model)
-        self.ref = None
+        self.ref: PreTrainedModel | None = None
         if cfg.kl_coef > 0:
             self.ref = load_model(cfg.ref_model or cfg.model, self.device, attention=attention).eval()
             self.ref.requires_grad_(False)
-        self.precision, why = resolve_precision(cfg.precision, self.device)
-        self.say(f"precision {self.precision}: {why}")
-        self.own_group = prepare_model(self.model, self.device, self.precision, self.world_size, cfg.compile, self.say)
+        self.say(f"precision: {self.compute.precision} ({self.compute.precision_reason})")
+        self.own_group = prepare_model(self.model, self.device, self.compute.precision, self.world_size, cfg.compile,
+                                       self.say)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
         self.end = 1  # the step the current pass ends at: the cosine schedule's last step
@@ -226,7 +226,7 @@ class Trainer:
         if self.master:
             self.say(f"{selection.samples} samples: {steps_phrase(step, end)}, each of <= {cfg.step_tokens} tokens; "
                      f"{self.world_size} rank(s) on {self.device.type}, objective {cfg.objective}")
-        rank, world_size, device, rope = self.rank, self.world_size, self.device, self.rope
+        rank, world_size, rope = self.rank, self.world_size, self.rope
         idle = idle_sample(self.model.config) if selection.images and world_size > 1 else None  # vision everywhere
         from_start, trained = self.position == Position(), set[str]()  # which samples a fixed step count reached
         epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
@@ -237,7 +237,7 @@ class Trainer:
             saved = len(proximal)
             planned = source.batches(cfg.step_tokens, self.position, epochs)
             until_stopped = itertools.takewhile(lambda _: not self.stop.is_set(), itertools.islice(planned, end - step))
-            proximal_pass(self.model, source, until_stopped, cfg, rank, world_size, device, rope, idle, proximal)
+            proximal_pass(self.model, source, until_stopped, cfg, self.compute, rope, idle, proximal)
             planned.close()
             if self.stop.is_set():
                 source.close()
@@ -274,25 +274,25 @@ class Trainer:
         cfg, device, world_size = self.cfg, self.device, self.world_size
         t0 = time.perf_counter()
         coef = coefficients(batch, cfg.aggregation) | ({idle.sample_id: 0.0} if idle else {})
-        share = rank_share(batch, self.rank, world_size, by_episode=cfg.tree)
+        share = rank_share(batch, self.rank, world_size, by_episode=bool(cfg.tree))
         attach_pixels(source, share)
         mine = rows_of(share, coef, cfg, self.rope, idle, self.trees)
-        n_rows = reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
+        n_rows = all_reduce_max(len(mine), device)  # every rank runs as many passes (FSDP collectives)
         fillers = [make_row([idle] if idle else [], coef, cfg.packing, self.rope) for _ in range(n_rows - len(mine))]
         rows = [to_device(row, self.model, device, cfg.row_tokens) for row in mine + fillers]
         old: list[torch.Tensor | None] = [None] * n_rows
         if self.proximal is not None:  # the proximal logprobs of the rows' targets; filler rows have none
             found = [self.proximal.gather(share, src).to(device) for src in row_sources(share, coef, cfg, idle)]
             old = [*found, *[torch.empty(0, device=device)] * (n_rows - len(found))]
-        sums, is_max = Counter(), 0.0
+        sums, is_max = Counter[str](), 0.0
         for row, old_logp in zip(rows, old):
-            loss, stats = forward_loss(self.model, row, cfg, self.ref, old_logp)
+            loss, stats = forward_loss(self.model, row, cfg, self.ref, old_logp, self.compute.precision)
             (loss * world_size).backward()  # FSDP averages over ranks; coef already divides by the batch
             is_max = max(is_max, stats.pop("is_ratio_max"))
             sums.update(stats | {"tokens": row.n_real, "computed": row.input_ids.numel()})
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
         check_finite(self.step + 1, sums["loss"], grad_norm, device)  # before the update: weights stay finite
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        lr = float(self.scheduler.get_last_lr()[0])  # the rate this step's update uses
         with deferred_interrupt():  # weights, optimizer, step and position change together or not at all
             self.optimizer.step()
             self.scheduler.step()
@@ -323,8 +323,8 @@ class Trainer:
         return checkpoint.full_weights(self.model, self.step)
 
     def close(self) -> None:
-        if (self.world_size > 1 or self.own_group) and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.world_size > 1 or self.own_group:
+            destroy()
 
 
 @contextlib.contextmanager
@@ -398,14 +398,6 @@ def lr_factor(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def reduce_max(n: int, device: torch.device) -> int:
-    if not dist.is_initialized():
-        return n
-    t = torch.tensor(n, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def full_value(t: torch.Tensor) -> float:
     """A scalar as a float (FSDP's grad norm is a DTensor: its full value)."""
     return float(t.full_tensor() if hasattr(t, "full_tensor") else t)
@@ -414,8 +406,7 @@ def full_value(t: torch.Tensor) -> float:
 def check_finite(step: int, loss: float, grad_norm: float, device: torch.device) -> None:
     """A non-finite loss or gradient makes every weight non-finite at the update: stop before it."""
     values = torch.tensor([loss, grad_norm], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(values)  # non-finite on one rank stops all of them
+    all_reduce_sum_(values)  # non-finite on one rank stops all of them
     if not torch.isfinite(values).all():
         raise DataError(
             f"step {step}: loss {values[0].item()}, grad norm {grad_norm}: not finite. Stopped before the "
@@ -429,9 +420,8 @@ def step_metrics(step: int, position: Position, batch: list[Sample], sums: Count
     """One JSONL record: per-rank sums reduced over ranks, then turned into means and fractions."""
     keys = sorted(sums)
     totals = torch.tensor([float(sums[k]) for k in keys] + [is_max], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(totals[:-1])
-        dist.all_reduce(totals[-1:], op=dist.ReduceOp.MAX)
+    all_reduce_sum_(totals[:-1])
+    all_reduce_max_(totals[-1:])
     s = dict(zip(keys + ["is_ratio_max"], totals.tolist()))
     n, engine = max(s["trainable"], 1.0), max(s["engine_tokens"], 1.0)
     advantages = torch.tensor([x.advantage for x in batch], dtype=torch.float64)

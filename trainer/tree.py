@@ -38,8 +38,12 @@ class Tree:
         return len(self.token)
 
     def add(self, parent: int, token: int, depth: int) -> int:
-        self.token.append(token), self.parent.append(parent), self.depth.append(depth)
-        self.children.append([]), self.owner.append(-1), self.count.append(0)
+        self.token.append(token)
+        self.parent.append(parent)
+        self.depth.append(depth)
+        self.children.append([])
+        self.owner.append(-1)
+        self.count.append(0)
         (self.children[parent] if parent >= 0 else self.roots).append(len(self.token) - 1)
         return len(self.token) - 1
 
@@ -131,7 +135,8 @@ def first_fit(items: list[int], sizes: list[int], capacity: int) -> list[list[in
     for item, n in zip(items, sizes):
         i = next((i for i, f in enumerate(free) if f >= n), None)
         if i is None:
-            bins.append([]), free.append(capacity)
+            bins.append([])
+            free.append(capacity)
             i = len(bins) - 1
         bins[i].append(item)
         free[i] -= n

@@ -20,7 +20,7 @@ from openforge.trainer.data import DataError, Sample, SampleImage, SampleSource
 from openforge.trainer.packing import MRope
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
     from transformers.image_processing_utils import BaseImageProcessor
 
 
@@ -43,16 +43,17 @@ def process(settings: str, data: bytes) -> tuple[np.ndarray, tuple[int, int, int
     """One image's pixel values (float32 [t * h * w, patch values]) and its (t, h, w) grid."""
     from PIL import Image
 
-    image = Image.open(io.BytesIO(data))
+    image: Image.Image = Image.open(io.BytesIO(data))
     image.load()
     out = image_processor(settings)(images=[image], return_tensors="np")
-    return np.asarray(out["pixel_values"], dtype=np.float32), tuple(int(x) for x in out["image_grid_thw"][0])
+    t, h, w = (int(x) for x in out["image_grid_thw"][0])
+    return np.asarray(out["pixel_values"], dtype=np.float32), (t, h, w)
 
 
 def attach_pixels(source: SampleSource, samples: list[Sample]) -> None:
     """Set the pixel values of every image of these samples (one rank's share of a global batch); an image
     used by several samples (an episode's turns) is read and processed once."""
-    wanted = {(im.hash, s.processor) for s in samples for im in s.images}
+    wanted = {(im.hash, settings_of(s)) for s in samples for im in s.images}
     if not wanted:
         return
     data = source.image_bytes(sorted({h for h, _ in wanted}))
@@ -60,11 +61,18 @@ def attach_pixels(source: SampleSource, samples: list[Sample]) -> None:
     bad = []
     for s in samples:
         for im in s.images:
-            im.pixels, grid = done[im.hash, s.processor]
+            im.pixels, grid = done[im.hash, settings_of(s)]
             if grid != im.grid:
                 bad.append(s.sample_id)
     if bad:
         raise DataError(grid_error(sorted(set(bad))))
+
+
+def settings_of(s: Sample) -> str:
+    """An image sample's processor settings (reconstruct records them with its images)."""
+    if s.processor is None:
+        raise DataError(f"sample {s.sample_id} has images but no processor settings. Re-run `openforge reconstruct`.")
+    return s.processor
 
 
 def check_pixels(source: SampleSource, vision: PretrainedConfig) -> None:
@@ -115,7 +123,7 @@ def grid_error(sample_ids: list[str]) -> str:
             "--where.")
 
 
-def mrope(model: torch.nn.Module) -> MRope | None:
+def mrope(model: PreTrainedModel) -> MRope | None:
     """The model's own 3D rope positions (`get_rope_index`) of one sample; None for a text-only model.
 
     Computed per sample, so they restart at 0 in a packed row like the text positions do."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from openforge.engine import MIN_CONTEXT
 from openforge.rollout.failures import DEFAULT_POLICY, policies
 from openforge.taskforge.calibrate import DEFAULT_BAND, parse_band
 from openforge.tracking import TRACKERS
-from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config
+from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config, read_toml, toml_value
 
 ENGINES = ("llamacpp", "vllm")
 KINDS = {int: "integers", float: "numbers", str: "strings"}  # a list setting's element type, in its errors
@@ -116,7 +115,7 @@ class TrackingSettings:
 # share their task prompt). lr 1e-5 suits the default 135M model and the few steps a demo has; the recipes for
 # 8B-30B models use 1e-6.
 TRAIN_DEFAULTS: dict[str, Any] = {"steps": 2, "lr": 1e-5, "warmup_steps": 3, "min_lr_ratio": 1.0,
-                                  "step_tokens": 4096, "row_tokens": 4096, "tree": "auto"}
+                                  "step_tokens": 4096, "row_tokens": 4096, "tree": "auto", "cpu_bf16": True}
 
 
 @dataclass
@@ -195,21 +194,9 @@ class RLConfig:
             lines.append(f"[{section.name}]")
             values = getattr(self, section.name)
             items = values.items() if isinstance(values, dict) else dataclasses.asdict(values).items()
-            lines += [f"{k} = {_toml_value(v)}" for k, v in items]
+            lines += [f"{k} = {toml_value(v)}" for k, v in items]
             lines.append("")
         return "\n".join(lines)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _section_value(section: str, key: str, value: Any, default: Any) -> Any:
@@ -236,12 +223,7 @@ def _section_value(section: str, key: str, value: Any, default: Any) -> Any:
 
 def load_rl_config(path: str | Path | None = None, sets: dict[str, Any] | None = None) -> RLConfig:
     """Defaults, then the TOML file, then `sets` ({"section.key": value}, from --set and the named flags)."""
-    data: dict[str, Any] = {}
-    if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from None
+    data = read_toml(path) if path else {}
     for dotted, value in (sets or {}).items():
         section, sep, key = dotted.partition(".")
         if not sep:

@@ -120,14 +120,16 @@ def test_the_loop_warms_up_by_default():
 
 @pytest.mark.parametrize(("native", "sets", "expected"), [
     (True, {}, "bf16-autocast"),  # AVX512-BF16 / AMX: bf16 matmuls are native, several times faster
-    (False, {}, "auto"),  # the trainer's own choice: fp32 on CPU
+    (False, {}, "fp32"),  # the trainer's own choice on CPU
     (True, {"train.precision": "fp32"}, "fp32"),  # what the user set stays
 ])
-def test_the_trainer_config_says_the_precision_the_loop_trains_in(tmp_path, monkeypatch, native, sets, expected):
-    """The loop's CPU precision is the trainer's `precision` setting, so the trainer's log line says what runs."""
+def test_the_loop_trains_in_bf16_where_the_cpu_has_it(tmp_path, monkeypatch, native, sets, expected):
+    """The loop asks for bf16 on CPUs with native bf16 (`cpu_bf16`); the trainer decides, and logs, the rest."""
     import openforge.rl.loop as loop
+    from openforge.trainer import dist
 
+    monkeypatch.setattr(dist, "cpu_has_bf16", lambda: native)
     monkeypatch.setattr(loop, "cpu_has_bf16", lambda: native)
     run = Run(tmp_path / "run", [], sets={"train.device": "cpu", **sets})
     run._base_model = tmp_path / "model"  # the starting weights, never converted here
-    assert run.trainer_config().precision == expected
+    assert dist.resolve_precision(run.trainer_config(), torch.device("cpu"))[0] == expected

@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
-from openforge.trainer.config import ConfigError, load_config
-from openforge.trainer.model import resolve_precision
+from openforge.trainer import dist
+from openforge.trainer.config import ConfigError, TrainConfig, load_config
+from openforge.trainer.dist import resolve_precision
 from openforge.trainer.train import train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,15 +48,29 @@ def fp32(setup) -> tuple[Path, list[str]]:
 
 
 def test_auto_is_fp32_on_cpu_and_said_once(fp32):
-    assert resolve_precision("auto", torch.device("cpu"))[0] == "fp32"
-    assert resolve_precision("auto", torch.device("cuda"))[0] == "bf16-autocast"
+    assert resolve_precision(TrainConfig(), torch.device("cpu"))[0] == "fp32"
+    assert resolve_precision(TrainConfig(), torch.device("cuda"))[0] == "bf16-autocast"
     said = [line for line in fp32[1] if line.startswith("precision")]
-    assert said == ["precision fp32: auto on CPU: exact fp32, the reference the tests compare against"]
+    assert said == ["precision: fp32 (auto on CPU: exact fp32, the reference the tests compare against)"]
+
+
+@pytest.mark.parametrize(("native", "settings", "device", "expected"), [
+    (True, {"cpu_bf16": True}, "cpu", "bf16-autocast"),  # AVX512-BF16 / AMX: bf16 matmuls are native
+    (False, {"cpu_bf16": True}, "cpu", "fp32"),  # emulated bf16 is slower than fp32
+    (True, {}, "cpu", "fp32"),  # `openforge train`'s default: exact fp32 on CPU
+    (True, {"cpu_bf16": True, "precision": "fp32"}, "cpu", "fp32"),  # what the user set stays
+    (False, {"cpu_bf16": True}, "cuda", "bf16-autocast"),
+    (True, {"precision": "bf16"}, "cuda", "bf16"),
+])
+def test_the_precision_is_decided_in_one_place(monkeypatch, native, settings, device, expected):
+    monkeypatch.setattr(dist, "cpu_has_bf16", lambda: native)
+    precision, reason = resolve_precision(TrainConfig(**settings), torch.device(device))
+    assert precision == expected and reason
 
 
 def test_bf16_checkpoints_finite_fp32_master_weights_close_to_fp32(setup, fp32, tiny_qwen_dir):
     ckpt, lines = run(setup, "bf16", precision="bf16")
-    assert "precision bf16: set in the config" in lines
+    assert "precision: bf16 (set in the config)" in lines
     start, exact, bf16 = (load_file(p / "model.safetensors") for p in (tiny_qwen_dir, fp32[0], ckpt))
     assert exact.keys() == bf16.keys()
     for name, w in bf16.items():
