@@ -109,8 +109,9 @@ class ExchangeRecord(_ExchangeFields, total=False):
     policy_version: int
 
 
-class _RewardFields(TypedDict):
-    type: Literal["reward"]
+class _RewardPost(TypedDict):
+    """What a reward post said, accepted or refused."""
+
     id: str
     proxy: str
     seq: int
@@ -118,6 +119,10 @@ class _RewardFields(TypedDict):
     episode: str
     reward: float
     task_id: str | None
+
+
+class _RewardFields(_RewardPost):
+    type: Literal["reward"]
     metadata: dict[str, Any] | None
 
 
@@ -127,17 +132,10 @@ class RewardRecord(_RewardFields, total=False):
     reward_policy: Literal["last", "first"]
 
 
-class RefusedRewardRecord(TypedDict):
+class RefusedRewardRecord(_RewardPost):
     """A reward post the proxy refused because the episode already had one (`openforge_reward_policy=first`)."""
 
     type: Literal["reward_refused"]
-    id: str
-    proxy: str
-    seq: int
-    t: float
-    episode: str
-    reward: float
-    task_id: str | None
     error: str
 
 

@@ -129,10 +129,6 @@ def mask(value: str) -> str:
     return scheme + shown
 
 
-def masked_headers(items: Iterable[tuple[str, str]]) -> list[list[str]]:
-    return [[k, mask(v) if is_secret_header(k.encode("latin-1", "replace")) else v] for k, v in items]
-
-
 def header_map(fields: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
     """Lower-case name -> value of mitmproxy's raw `Headers.fields`, repeated headers folded with ", " as
     `Headers.get` does."""
@@ -152,7 +148,7 @@ def is_event_stream(fields: Iterable[tuple[bytes, bytes]]) -> bool:
 
 
 def masked_fields(fields: Iterable[tuple[bytes, bytes]]) -> list[list[str]]:
-    """`masked_headers` straight from mitmproxy's raw `Headers.fields` (decoded as mitmproxy does)."""
+    """Headers as recorded: mitmproxy's raw `Headers.fields` decoded as mitmproxy does, secrets masked."""
     return [[k.decode("utf-8", "surrogateescape"),
              mask(v.decode("utf-8", "surrogateescape")) if is_secret_header(k)
              else v.decode("utf-8", "surrogateescape")] for k, v in fields]

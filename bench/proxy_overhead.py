@@ -420,41 +420,51 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def table(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, list]]) -> None:
+    """A title, a header and a row per path; each column is (name, format spec such as ">8.2f")."""
+    print(title)
+    print(f"{'path':<16}" + "".join(f"{name:>{spec[1:].split('.')[0]}}" for name, spec in columns))
+    for name, values in rows:
+        print(f"{name:<16}" + "".join(format(v, spec) for v, (_, spec) in zip(values, columns)))
+
+
 def report(paths: list[Path_], phases: dict, rss: dict, fields: dict) -> None:
     base = {k: phases[("direct", k)] for k in ("ns1", "ns16", "s1", "s16")}
-    print("\nnon-streamed chat: requests/s, latency p50/p99 (ms), added p50 over direct (ms), proxy CPU ms/request")
-    print(f"{'path':<16}{'rps@1':>8}{'p50@1':>8}{'p99@1':>8}{'+p50@1':>8}{'rps@16':>8}{'p50@16':>8}"
-          f"{'p99@16':>8}{'+p50@16':>9}{'cpu/req':>9}{'errors':>7}")
+    ns = []
     for p in paths:
         a, b = phases[(p.name, "ns1")], phases[(p.name, "ns16")]
         cpu = (a.cpu + b.cpu) / max(1, a.requests + b.requests) * 1000
-        print(f"{p.name:<16}{a.requests / a.wall:>8.0f}{pct(a.latencies, .5) * 1e3:>8.2f}"
-              f"{pct(a.latencies, .99) * 1e3:>8.2f}"
-              f"{(pct(a.latencies, .5) - pct(base['ns1'].latencies, .5)) * 1e3:>8.2f}"
-              f"{b.requests / b.wall:>8.0f}{pct(b.latencies, .5) * 1e3:>8.2f}{pct(b.latencies, .99) * 1e3:>8.2f}"
-              f"{(pct(b.latencies, .5) - pct(base['ns16'].latencies, .5)) * 1e3:>9.2f}{cpu:>9.2f}"
-              f"{a.errors + b.errors:>7}")
-    print("\nSSE chat streams: time to first event p50 (ms) and added over direct; per-chunk latency "
-          "(engine send -> client) p50/p99 (ms); streams/s; proxy CPU ms/chunk")
-    print(f"{'path':<16}{'ttfb@1':>8}{'+ttfb@1':>8}{'chunk50':>8}{'chunk99':>8}{'ttfb@16':>8}{'chunk50':>8}"
-          f"{'chunk99':>8}{'str/s@16':>9}{'cpu/chk':>9}{'errors':>7}")
+        ns.append((p.name, [a.requests / a.wall, pct(a.latencies, .5) * 1e3, pct(a.latencies, .99) * 1e3,
+                            (pct(a.latencies, .5) - pct(base["ns1"].latencies, .5)) * 1e3,
+                            b.requests / b.wall, pct(b.latencies, .5) * 1e3, pct(b.latencies, .99) * 1e3,
+                            (pct(b.latencies, .5) - pct(base["ns16"].latencies, .5)) * 1e3, cpu,
+                            a.errors + b.errors]))
+    table("\nnon-streamed chat: requests/s, latency p50/p99 (ms), added p50 over direct (ms), proxy CPU ms/request",
+          [("rps@1", ">8.0f"), ("p50@1", ">8.2f"), ("p99@1", ">8.2f"), ("+p50@1", ">8.2f"), ("rps@16", ">8.0f"),
+           ("p50@16", ">8.2f"), ("p99@16", ">8.2f"), ("+p50@16", ">9.2f"), ("cpu/req", ">9.2f"), ("errors", ">7")],
+          ns)
+    sse = []
     for p in paths:
         a, b = phases[(p.name, "s1")], phases[(p.name, "s16")]
         cpu = (a.cpu + b.cpu) / max(1, a.events + b.events) * 1000
-        print(f"{p.name:<16}{pct(a.ttfb, .5) * 1e3:>8.2f}{(pct(a.ttfb, .5) - pct(base['s1'].ttfb, .5)) * 1e3:>8.2f}"
-              f"{pct(a.chunk_lat, .5) * 1e3:>8.2f}{pct(a.chunk_lat, .99) * 1e3:>8.2f}{pct(b.ttfb, .5) * 1e3:>8.2f}"
-              f"{pct(b.chunk_lat, .5) * 1e3:>8.2f}{pct(b.chunk_lat, .99) * 1e3:>8.2f}{b.requests / b.wall:>9.1f}"
-              f"{cpu:>9.3f}{a.errors + b.errors:>7}")
+        sse.append((p.name, [pct(a.ttfb, .5) * 1e3, (pct(a.ttfb, .5) - pct(base["s1"].ttfb, .5)) * 1e3,
+                             pct(a.chunk_lat, .5) * 1e3, pct(a.chunk_lat, .99) * 1e3, pct(b.ttfb, .5) * 1e3,
+                             pct(b.chunk_lat, .5) * 1e3, pct(b.chunk_lat, .99) * 1e3, b.requests / b.wall, cpu,
+                             a.errors + b.errors]))
+    table("\nSSE chat streams: time to first event p50 (ms) and added over direct; per-chunk latency "
+          "(engine send -> client) p50/p99 (ms); streams/s; proxy CPU ms/chunk",
+          [("ttfb@1", ">8.2f"), ("+ttfb@1", ">8.2f"), ("chunk50", ">8.2f"), ("chunk99", ">8.2f"),
+           ("ttfb@16", ">8.2f"), ("chunk50", ">8.2f"), ("chunk99", ">8.2f"), ("str/s@16", ">9.1f"),
+           ("cpu/chk", ">9.3f"), ("errors", ">7")], sse)
     long_kb = len(json.dumps(LONG_MESSAGES)) / 1024
-    print(f"\nagent-sized request ({long_kb:.0f} KB conversation; as deployed the engine also returns its "
+    direct_long = pct(phases[("direct", "long1")].latencies, .5)
+    table(f"\nagent-sized request ({long_kb:.0f} KB conversation; as deployed the engine also returns its "
           f"~{long_kb:.0f}k prompt ids), non-streamed, 1 client: latency p50 (ms), added over direct, "
-          "proxy CPU ms/request")
-    print(f"{'path':<16}{'p50':>8}{'+p50':>8}{'cpu/req':>9}{'errors':>7}")
-    for p in paths:
-        a = phases[(p.name, "long1")]
-        print(f"{p.name:<16}{pct(a.latencies, .5) * 1e3:>8.2f}"
-              f"{(pct(a.latencies, .5) - pct(phases[('direct', 'long1')].latencies, .5)) * 1e3:>8.2f}"
-              f"{a.cpu / max(1, a.requests) * 1000:>9.2f}{a.errors:>7}")
+          "proxy CPU ms/request",
+          [("p50", ">8.2f"), ("+p50", ">8.2f"), ("cpu/req", ">9.2f"), ("errors", ">7")],
+          [(p.name, [pct(a.latencies, .5) * 1e3, (pct(a.latencies, .5) - direct_long) * 1e3,
+                     a.cpu / max(1, a.requests) * 1000, a.errors])
+           for p in paths for a in [phases[(p.name, "long1")]]])
     print("\nproxy RSS after the run (MB): " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items() if v == v))
     for name_bare, name_ours, what in (("mitmdump", "mitmdump+addon", "as deployed (addon injects ids+logprobs)"),
                                        (PAYLOAD_BARE, PAYLOAD_OURS, "same payload (client asks for ids+logprobs)")):

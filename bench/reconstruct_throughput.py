@@ -59,7 +59,7 @@ def make_corpus(directory: Path, episodes: int, turns: int, engine_ids: bool) ->
 def texts_of(directory: Path) -> list[str]:
     """The prompt and completion text of every call: what a retokenising reconstruct has to encode."""
     from openforge.addons.flowfile import expand_paths, open_flow_file
-    from openforge.reconstruct.protocols import parse_record
+    from openforge.reconstruct.calls import parse_record
     from openforge.reconstruct.tokenize import template_message
     from openforge.testing.reconstruct_flows import qwen_tokenizer
 

@@ -102,7 +102,7 @@ class EngineProcess:
     """An engine's HTTP server in a child process of its own group (`openforge.processes.Child`): ready once
     `/health` answers 200; stopped with SIGTERM to the whole group, SIGKILL for what lingers after
     `stop_timeout`. A Ctrl-C in a terminal reaches only the caller, which then stops the child deliberately.
-    Subclasses say what to run (`command`, `env`, `label`) and set `port`, `log_path` and the timeouts."""
+    Subclasses say what to run (`command`, `env`, `label`) and call `_serve_on` for the port, log and timeouts."""
 
     port: int
     log_path: Path | None
@@ -111,6 +111,14 @@ class EngineProcess:
     poll_interval = 0.1  # seconds between readiness probes
     child: Child | None = None
     api_key_file: Path | None = None  # the key every call needs (None: none, the standalone default)
+
+    def _serve_on(self, port: int, log_path: Path | str | None, ready_timeout: float, stop_timeout: float,
+                  api_key_file: Path | str | None) -> None:
+        """The port (0: a free one), log file, timeouts and key file every engine takes."""
+        self.port = port or free_port()
+        self.log_path = Path(log_path) if log_path else None
+        self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
+        self.api_key_file = Path(api_key_file) if api_key_file else None
 
     @property
     def url(self) -> str:
@@ -214,12 +222,9 @@ class EmbeddedEngine(EngineProcess):
         if not self.gguf.is_file():
             raise EngineError(f"GGUF file not found: {self.gguf}")
         resolve_chat_template(chat_template)  # fail early on a bad choice
-        self.port = port or free_port()
+        self._serve_on(port, log_path, ready_timeout, stop_timeout, api_key_file)
         self.n_ctx, self.n_parallel, self.threads = n_ctx, n_parallel, threads
         self.chat_template = chat_template
-        self.log_path = Path(log_path) if log_path else None
-        self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
-        self.api_key_file = Path(api_key_file) if api_key_file else None
 
     @property
     def label(self) -> str:

@@ -22,7 +22,6 @@ from pathlib import Path
 import httpx
 
 from openforge.engine import EngineError, EngineProcess
-from openforge.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = Path(__file__).resolve().parent / "vllm_launcher.py"
@@ -164,12 +163,9 @@ class VllmEngine(EngineProcess):
             raise EngineError(f"not a Hugging Face model directory (no config.json): {self.model_dir}")
         chat_template_file(self.model_dir)
         self.python = vllm_python()
-        self.port = port or free_port()
+        self._serve_on(port, log_path, ready_timeout, stop_timeout, api_key_file)
         self.name, self.max_model_len, self.kv_cache_gib = name, max_model_len, kv_cache_gib
         self.threads, self.dev_mode = threads, dev_mode
-        self.log_path = Path(log_path) if log_path else None
-        self.ready_timeout, self.stop_timeout = ready_timeout, stop_timeout
-        self.api_key_file = Path(api_key_file) if api_key_file else None
 
     @property
     def label(self) -> str:

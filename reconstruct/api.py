@@ -8,7 +8,6 @@ one episode in memory at a time, from `call_tokens`: trajectory tree, samples, r
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,10 +17,10 @@ from openforge.addons.flowfile import expand_paths
 from openforge.reconstruct import store
 from openforge.reconstruct.ingest import DEFAULT_ROLE, Ingest
 from openforge.reconstruct.rebuild import BuildOptions, Progress, Rebuild, snapshot_rewards
+from openforge.reconstruct.renderer import Renderer, load_renderer
 from openforge.reconstruct.rewards import MissingReward, advantage_sql, read_rewards_file
 from openforge.reconstruct.summary import Summary
-from openforge.reconstruct.tokenize import Retokenizer, load_tokenizer
-from openforge.reconstruct.vision import Vision, is_processor_dir
+from openforge.reconstruct.vision import Vision
 
 __all__ = ["BuildOptions", "Progress", "Summary", "reconstruct"]
 
@@ -52,7 +51,9 @@ def reconstruct(
     images), found in a `tokenizer` directory that has one; without it, calls with images are skipped.
     `flow_key`: the run's flow key (`flowfile.read_key`); with it only signed files count, each up to its
     first record whose MAC fails, and the rest goes to `skipped` as `unauthenticated_file`.
-    Raises `vision.ProcessorError` for a directory without a usable image processor.
+    `tokenizer`: a tokenizer directory, a loaded tokenizer or `Retokenizer`, or a `renderer.Renderer` (then
+    `chat_template` and `processor` are its own). Raises `vision.ProcessorError` for a directory without a
+    usable image processor.
     """
     started = time.monotonic()
     policy = missing_reward if isinstance(missing_reward, MissingReward) else MissingReward.parse(missing_reward)
@@ -60,12 +61,8 @@ def reconstruct(
     build = BuildOptions(sorted(set(train_roles)), keep_prompt_mismatch)
     files = expand_paths(list(paths))
     reward_rows = list(read_rewards_file(rewards)) if rewards else []
-    retok = tokenizer if isinstance(tokenizer, Retokenizer) else Retokenizer(load_tokenizer(tokenizer))
-    if chat_template is not None:
-        retok = Retokenizer(retok.tok, chat_template=Path(chat_template).read_text(encoding="utf-8"))
-    if processor is None and isinstance(tokenizer, (str, os.PathLike)) and is_processor_dir(tokenizer):
-        processor = Path(tokenizer)
-    vision = processor if isinstance(processor, Vision) or processor is None else Vision.load(processor, retok)
+    renderer = tokenizer if isinstance(tokenizer, Renderer) else load_renderer(tokenizer, chat_template, processor)
+    retok, vision = renderer.retok, renderer.vision
     con = store.connect(db)
     try:
         summary = Summary(files=len(files))

@@ -27,10 +27,11 @@ from openforge.addons.flowfile import (
     read_header,
 )
 from openforge.reconstruct import store
+from openforge.reconstruct.answer_json import RawIds
+from openforge.reconstruct.calls import Call, Skip, parse_choices
 from openforge.reconstruct.episodes import ChainHasher, Linker
 from openforge.reconstruct.mitm_flows import MitmFile, is_mitm_file
 from openforge.reconstruct.prefixes import PrefixSplitter, int32
-from openforge.reconstruct.protocols import Call, RawIds, Skip, parse_choices
 from openforge.reconstruct.rewards import BadReward, check_reward
 from openforge.reconstruct.summary import Summary
 from openforge.reconstruct.tokenize import Retokenizer

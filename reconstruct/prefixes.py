@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from openforge.reconstruct.protocols import RawIds
+from openforge.reconstruct.answer_json import RawIds
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -19,7 +19,7 @@ import re
 from collections import OrderedDict
 from typing import Any
 
-from openforge.reconstruct.protocols import Call
+from openforge.reconstruct.calls import Call
 
 # finish reasons that mean the engine stopped at its token limit: Chat/Completions, Anthropic, Responses
 TRUNCATED = frozenset({"length", "max_tokens", "incomplete"})

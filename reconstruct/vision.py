@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from openforge.reconstruct.protocols import Image, Skip
+from openforge.reconstruct.calls import Image, Skip
 from openforge.reconstruct.tokenize import Retokenizer
 
 PROCESSOR_CONFIG = "preprocessor_config.json"

@@ -1,4 +1,5 @@
-"""One module per `openforge` subcommand; each exposes `register(app)` and imports heavy things lazily.
+"""One module per `openforge` subcommand; each exposes `register(app)` (`one_command` makes it for a module
+with one subcommand) and imports heavy things lazily.
 
 Every command reports a user error the same way, through `fail`: one `error: ...` line (and a `hint: ...`
 line where one helps) on stderr, exit code USAGE (2) for bad usage or input, FAILED (1) for a run that
@@ -9,12 +10,16 @@ offers exactly what the module it feeds accepts.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import typer
 
 USAGE = 2  # bad usage or bad input: nothing was run
 FAILED = 1  # the run started and failed
+
+# `--db` of the commands that read a reconstruct database (`stats`, `export`, `train`)
+SAMPLES_DB = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`.")
 
 
 def fail(message: str, *, hint: str | None = None, code: int = USAGE) -> NoReturn:
@@ -23,3 +28,12 @@ def fail(message: str, *, hint: str | None = None, code: int = USAGE) -> NoRetur
     if hint:
         typer.echo(f"hint: {hint}", err=True)
     raise typer.Exit(code)
+
+
+def one_command(name: str, command: Callable[..., Any], **settings: Any) -> Callable[[typer.Typer], None]:
+    """The `register(app)` of a module whose one subcommand is `command`."""
+
+    def register(app: typer.Typer) -> None:
+        app.command(name, **settings)(command)
+
+    return register

@@ -6,11 +6,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import fail
-
-
-def register(app: typer.Typer) -> None:
-    app.command("demo")(demo)
+from openforge.commands import fail, one_command
 
 
 def demo(
@@ -48,3 +44,6 @@ def demo(
     except (ConfigError, RLError) as e:
         fail(str(e))
     summary(run, run_loop(run, console), console)
+
+
+register = one_command("demo", demo)

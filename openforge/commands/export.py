@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import fail
+from openforge.commands import SAMPLES_DB, fail, one_command
 
 
 class Format(StrEnum):
@@ -19,12 +19,8 @@ class Format(StrEnum):
     trl = "trl"
 
 
-def register(app: typer.Typer) -> None:
-    app.command(name="export")(export_command)
-
-
 def export_command(
-    db: Path = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`."),
+    db: Path = SAMPLES_DB,
     fmt: Format = typer.Option(..., "--format",
                                help="parquet (our columns, images included), verl, slime or trl (text samples only)."),
     out: Path = typer.Option(..., "--out",
@@ -57,3 +53,6 @@ def export_command(
         if bar.live.is_started:
             bar.stop()
     console.print(f"{n} samples -> {out} ({fmt.value})")
+
+
+register = one_command("export", export_command)

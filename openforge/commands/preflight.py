@@ -7,11 +7,7 @@ from contextlib import nullcontext
 
 import typer
 
-from openforge.commands import FAILED, fail
-
-
-def register(app: typer.Typer) -> None:
-    app.command("preflight")(preflight)
+from openforge.commands import FAILED, fail, one_command
 
 
 def preflight(
@@ -66,3 +62,6 @@ def preflight(
             console.print(f"  => {verdict}" + (f", engine profile: {r.profile}" if r.profile else ""))
     if not all(r.ok for _, r in reports):
         raise typer.Exit(FAILED)
+
+
+register = one_command("preflight", preflight)

@@ -8,7 +8,10 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from openforge.commands import FAILED, fail
+from openforge.commands import FAILED, fail, one_command
+
+if TYPE_CHECKING:
+    from openforge.reconstruct.summary import Summary
 
 if TYPE_CHECKING:
     from openforge.reconstruct.summary import Summary
@@ -27,10 +30,6 @@ class GroupBy(StrEnum):
 
     task = "task"
     task_toolchain = "task-toolchain"
-
-
-def register(app: typer.Typer) -> None:
-    app.command(name="reconstruct")(reconstruct_command)
 
 
 def reconstruct_command(
@@ -117,8 +116,6 @@ def reconstruct_command(
     if processor is not None and not (processor / "preprocessor_config.json").is_file():
         fail(f"--processor {processor} has no preprocessor_config.json",
              hint="give the directory of a vision-language model (its image processor and chat template)")
-    if processor is None and (tokenizer / "preprocessor_config.json").is_file():
-        processor = tokenizer
     flow_key = None
     if flow_key_file is not None:
         from openforge.addons.flowfile import read_key
@@ -129,22 +126,16 @@ def reconstruct_command(
             fail(str(e))
 
     from openforge.reconstruct.api import reconstruct
-    from openforge.reconstruct.tokenize import Retokenizer, load_tokenizer
-    from openforge.reconstruct.vision import ProcessorError, Vision
+    from openforge.reconstruct.renderer import load_renderer
+    from openforge.reconstruct.vision import ProcessorError
 
-    with console.status("Loading tokenizer"):
+    with console.status("Loading tokenizer and image processor"):
         try:
-            retok = Retokenizer(load_tokenizer(tokenizer))
+            renderer = load_renderer(tokenizer, chat_template, processor)
+        except ProcessorError as e:
+            fail(str(e))
         except Exception as e:  # noqa: BLE001 - any loader failure is a bad --tokenizer
             fail(f"Cannot load tokenizer from {tokenizer}: {e}")
-    vision = None
-    if processor is not None:
-        with console.status("Loading image processor"):
-            try:
-                template = chat_template.read_text(encoding="utf-8") if chat_template else None
-                vision = Vision.load(processor, Retokenizer(retok.tok, chat_template=template))
-            except (ProcessorError, OSError) as e:
-                fail(str(e))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeRemainingColumn(), console=console) as bar:
         tasks: dict[str, TaskID] = {}
@@ -155,11 +146,10 @@ def reconstruct_command(
             bar.update(tasks[stage], completed=done, total=total)
 
         try:
-            summary = reconstruct(flows, db, retok, rewards=rewards, run=run, missing_reward=policy,
+            summary = reconstruct(flows, db, renderer, rewards=rewards, run=run, missing_reward=policy,
                                   advantage=advantage.value, progress=progress, train_roles=roles,
                                   group_by=group_by.value,
-                                  keep_prompt_mismatch=keep_prompt_mismatch, chat_template=chat_template,
-                                  processor=vision, flow_key=flow_key)
+                                  keep_prompt_mismatch=keep_prompt_mismatch, flow_key=flow_key)
         except RewardFileError as e:
             fail(str(e))
         except Exception as e:  # noqa: BLE001 - a sentence, never a traceback (a bad record is skipped, not raised)
@@ -197,3 +187,6 @@ def print_summary(summary: Summary) -> None:
     if summary.episodes_pending:
         console.print(f"[yellow]{summary.episodes_pending} episodes have no reward and were not built: pass "
                       "--rewards, or --missing-reward drop|fill:<x>|keep.")
+
+
+register = one_command("reconstruct", reconstruct_command)

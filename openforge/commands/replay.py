@@ -13,7 +13,7 @@ from openforge.commands import FAILED, fail
 
 
 class Side(StrEnum):
-    """openforge.replay.Side."""
+    """openforge.replay.trace.Side."""
 
     client = "client"
     engine = "engine"
@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _load(trace: list[Path]) -> list[dict[str, Any]]:  # the replay module is imported only when a command runs
-    from openforge.replay import ReplayError, load_exchanges
+    from openforge.replay.trace import ReplayError, load_exchanges
 
     try:
         return load_exchanges(trace)
@@ -54,7 +54,8 @@ def serve(
 ) -> None:
     """Answer calls from a trace, matched by conversation; a call that matches nothing gets an error saying
     where it diverged."""
-    from openforge.replay import ReplayError, ReplayIndex, ReplayServer
+    from openforge.replay.serve import ReplayIndex, ReplayServer
+    from openforge.replay.trace import ReplayError
 
     exchanges = _load(trace)
     try:
@@ -106,7 +107,7 @@ def drive(
     from rich.progress import Progress
     from rich.table import Table
 
-    from openforge import replay as rp
+    from openforge.replay import drive as rp
 
     exchanges = _load(trace)
     total = rp.count_calls(exchanges, side.value)

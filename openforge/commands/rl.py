@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from openforge.commands import FAILED, fail
+from openforge.commands import FAILED, fail, one_command
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -23,10 +23,6 @@ class Engine(StrEnum):
 
     llamacpp = "llamacpp"
     vllm = "vllm"
-
-
-def register(app: typer.Typer) -> None:
-    app.command("rl")(rl)
 
 
 def _interrupt(*_: object) -> None:
@@ -125,3 +121,6 @@ def rl(
     evaluated = f", evaluations: {run.eval_path}" if run.eval_path.is_file() else ""
     console.print(f"rl.jsonl: {out / 'rl.jsonl'}{evaluated}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
                   f"served last: {run.serving()}")
+
+
+register = one_command("rl", rl)

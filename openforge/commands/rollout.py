@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from openforge.commands import fail
+from openforge.commands import fail, one_command
 
 
 class Backend(StrEnum):
@@ -36,10 +36,6 @@ PASS_THRESHOLD = typer.Option(1.0, help="An attempt passes when its reward is >=
 NO_SANDBOX = typer.Option(
     False, "--no-sandbox", help="Run agents as plain processes of your user instead of in a bubblewrap sandbox "
                                 "(prints what is then not protected; docs/rollouts.md, Sandbox).")
-
-
-def register(app: typer.Typer) -> None:
-    app.command("rollout")(rollout)
 
 
 def take_tokens(no_sandbox: bool) -> tuple[str | None, str | None]:
@@ -155,3 +151,6 @@ def rollout(
     failed = every_episode_failed(result.results, out / "episodes")
     if failed:
         fail(failed, code=1)
+
+
+register = one_command("rollout", rollout)

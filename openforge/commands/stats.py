@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
-
-from openforge.commands import fail
-
-
-def register(app: typer.Typer) -> None:
-    app.command(name="stats")(stats_command)
+from openforge.commands import SAMPLES_DB, fail, one_command
 
 
 def stats_command(
-    db: Path = typer.Option(..., "--db", help="DuckDB database written by `openforge reconstruct`."),
+    db: Path = SAMPLES_DB,
 ) -> None:
     """Print episodes, calls, samples, tokens, trainable tokens, merge ratio, branches and skipped records."""
     from rich.console import Console
@@ -36,3 +30,6 @@ def stats_command(
             value = f"{value:.2f}"
         table.add_row(key.replace("_", " "), str(value))
     Console().print(table)
+
+
+register = one_command("stats", stats_command)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, fail
+from openforge.commands import FAILED, SAMPLES_DB, fail, one_command
 
 
 class Objective(StrEnum):
@@ -17,12 +17,8 @@ class Objective(StrEnum):
     sft = "sft"
 
 
-def register(app: typer.Typer) -> None:
-    app.command(name="train")(train)
-
-
 def train(
-    db: Path = typer.Option(..., "--db", help="DuckDB file written by `openforge reconstruct`."),
+    db: Path = SAMPLES_DB,
     model: Path = typer.Option(..., "--model", help="Local Hugging Face model directory to start from."),
     out: Path = typer.Option(..., "--out", help="Output directory: checkpoints/step_N/ and metrics.jsonl."),
     config: Path = typer.Option(None, "--config",
@@ -57,3 +53,6 @@ def train(
         run(cfg, resume=resume, say=console.print)
     except (ConfigError, DataError) as e:
         fail(str(e), code=FAILED)
+
+
+register = one_command("train", train)

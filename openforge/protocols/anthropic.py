@@ -1,12 +1,14 @@
-"""Anthropic Messages: a request as Chat Completions (`request`), its conversation as Chat messages
-(`messages`, the one conversion the proxy sends to the engine and reconstruct trains on)."""
+"""Anthropic Messages, both directions: a request as Chat Completions (`request`), its conversation as Chat
+messages (`messages`, the one conversion the proxy sends to the engine and reconstruct trains on), and the
+engine's Chat answer rendered back as a Messages answer (`answer`, `Stream`, count_tokens)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
-from . import computer_use
+from . import chat, computer_use
 from .chat import Drops, Generated, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
@@ -220,3 +222,125 @@ def generated(obj: dict[str, Any]) -> Generated:
                 text += b.get("name", "") + json.dumps(b.get("input"), sort_keys=True)
     usage = obj.get("usage") or (obj.get("message") or {}).get("usage") or {}
     return Generated(text, None, usage.get("output_tokens"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The engine's answer as a Messages answer
+# ----------------------------------------------------------------------------------------------------
+
+
+def _signature(thinking: str) -> str:
+    """Stand-in for Anthropic's opaque thinking signature: stable, so an echoed block is recognisable."""
+    return "openforge-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
+def _usage(usage: dict) -> dict:
+    prompt, cached = int(usage.get("prompt_tokens") or 0), chat.cached_tokens(usage)
+    return {
+        "input_tokens": prompt - cached,  # Anthropic counts cache reads separately from input
+        "output_tokens": int(usage.get("completion_tokens") or 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def _stop(finish: str | None, stop_reason: Any, has_tools: bool, request: dict) -> tuple[str, str | None]:
+    """Chat finish_reason (+ vLLM's matched `stop_reason`) -> Anthropic (stop_reason, stop_sequence)."""
+    if finish in ("tool_calls", "function_call") or (has_tools and finish == "stop"):
+        return "tool_use", None
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "content_filter":
+        return "refusal", None
+    if isinstance(stop_reason, str) and stop_reason in (request.get("stop_sequences") or []):
+        return "stop_sequence", stop_reason
+    return "end_turn", None
+
+
+def answer(chat_response: dict, request_body: dict) -> dict:
+    """A non-streamed Chat answer as a Messages answer; raises ProtocolError (502) when it has no choice."""
+    got = chat.read_answer(chat_response)
+    content: list[dict] = []
+    if got.reasoning:
+        content.append({"type": "thinking", "thinking": got.reasoning, "signature": _signature(got.reasoning)})
+    if got.text:
+        content.append({"type": "text", "text": got.text})
+    for call in got.tool_calls:
+        fn = call.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            args = None
+        content.append({"type": "tool_use", "id": call.get("id") or chat.new_id("toolu_"), "name": fn.get("name"),
+                        "input": args if isinstance(args, dict) else {}})
+    stop, sequence = _stop(got.finish_reason, got.stop_reason, bool(got.tool_calls), request_body)
+    return {"id": f"msg_{got.id}", "type": "message", "role": "assistant",
+            "model": request_body.get("model", chat_response.get("model")), "content": content,
+            "stop_reason": stop, "stop_sequence": sequence, "usage": _usage(got.usage)}
+
+
+class Stream(chat.ChatStream):
+    """Chat Completions SSE -> Anthropic Messages SSE."""
+
+    tool_id_prefix = "toolu_"
+
+    def _emit(self, payload: dict) -> None:
+        self._out.append(chat.sse_event(payload["type"], payload))
+
+    def _on_start(self) -> None:
+        usage = _usage(self.usage or {"prompt_tokens": self.prompt_tokens or 0})
+        usage["output_tokens"] = 0
+        self._emit({"type": "message_start", "message": {
+            "id": f"msg_{self.chat_id}", "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
+
+    def _on_open(self, block: chat.Block) -> None:
+        if block.kind == "text":
+            content: dict = {"type": "text", "text": ""}
+        elif block.kind == "thinking":
+            content = {"type": "thinking", "thinking": "", "signature": ""}
+        else:
+            content = {"type": "tool_use", "id": block.call_id, "name": block.name, "input": {}}
+        self._emit({"type": "content_block_start", "index": block.index, "content_block": content})
+
+    def _on_delta(self, block: chat.Block, text: str) -> None:
+        if block.kind == "text":
+            delta = {"type": "text_delta", "text": text}
+        elif block.kind == "thinking":
+            delta = {"type": "thinking_delta", "thinking": text}
+        else:
+            delta = {"type": "input_json_delta", "partial_json": text}
+        self._emit({"type": "content_block_delta", "index": block.index, "delta": delta})
+
+    def _on_close(self, block: chat.Block) -> None:
+        if block.kind == "thinking":
+            self._emit({"type": "content_block_delta", "index": block.index,
+                        "delta": {"type": "signature_delta", "signature": _signature(block.text)}})
+        self._emit({"type": "content_block_stop", "index": block.index})
+
+    def _on_end(self) -> None:
+        has_tools = any(b.kind == "tool" for b in self.blocks)
+        stop, sequence = _stop(self.finish_reason, self.stop_reason, has_tools, self.request)
+        self._emit({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": sequence},
+                    "usage": _usage(self.final_usage())})
+        self._emit({"type": "message_stop"})
+
+    def _on_fail(self, message: str) -> None:
+        self._emit({"type": "error", "error": {"type": "api_error", "message": message}})
+
+
+def count_tokens_request(body: dict) -> dict:
+    """The Chat Completions body whose `usage.prompt_tokens` answers a count_tokens request."""
+    chat = request(body, Drops())
+    chat["max_tokens"] = 1
+    return chat
+
+
+def count_tokens_answer(chat_response: dict) -> dict:
+    """The count_tokens answer from that body's Chat answer; raises ProtocolError (502) without a count."""
+    usage = chat_response.get("usage") or {}
+    if usage.get("prompt_tokens") is not None:
+        return {"input_tokens": int(usage["prompt_tokens"])}
+    if chat_response.get("prompt_token_ids") is not None:
+        return {"input_tokens": len(chat_response["prompt_token_ids"])}
+    raise ProtocolError(502, "engine answer carries no prompt token count")

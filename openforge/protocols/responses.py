@@ -1,10 +1,13 @@
-"""OpenAI Responses: a request as Chat Completions (`request`), its input items as Chat messages
-(`messages`, the one conversion the proxy sends to the engine and reconstruct trains on)."""
+"""OpenAI Responses, both directions: a request as Chat Completions (`request`), its input items as Chat
+messages (`messages`, the one conversion the proxy sends to the engine and reconstruct trains on), and the
+engine's Chat answer rendered back as a `response` object or stream (`answer`, `Stream`)."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
+from . import chat
 from .chat import Drops, Generated, begin, function_tool, text_content, tool_call, unsupported_tool
 from .errors import ProtocolError
 
@@ -193,3 +196,178 @@ def generated(obj: dict[str, Any]) -> Generated:
             for part in item.get("content") or []:
                 text += part.get("text") or ""
     return Generated(text, None, (resp.get("usage") or {}).get("output_tokens"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The engine's answer as a Responses answer
+# ----------------------------------------------------------------------------------------------------
+
+
+def _usage(usage: dict) -> dict:
+    prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    reasoning = int(((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")) or 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": chat.cached_tokens(usage)},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": int(usage.get("total_tokens") or prompt + completion),
+    }
+
+
+def _status(finish: str | None) -> tuple[str, dict | None]:
+    if finish == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    if finish == "content_filter":
+        return "incomplete", {"reason": "content_filter"}
+    return "completed", None
+
+
+def _response_object(request: dict, rid: str, created: float, model: Any, status: str, output: list,
+                     usage: dict | None, error: dict | None = None, incomplete: dict | None = None) -> dict:
+    """A Responses `response` object echoing the request's settings, as the real API does."""
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "background": False,
+        "error": error,
+        "incomplete_details": incomplete,
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "metadata": request.get("metadata") or {},
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": request.get("reasoning"),
+        "temperature": request.get("temperature"),
+        "text": request.get("text") or {"format": {"type": "text"}},
+        "tool_choice": request.get("tool_choice", "auto"),
+        "tools": request.get("tools") or [],
+        "top_p": request.get("top_p"),
+        "truncation": "disabled",
+        "usage": usage,
+    }
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _function_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
+
+
+def answer(chat_response: dict, request_body: dict) -> dict:
+    """A non-streamed Chat answer as a `response` object; raises ProtocolError (502) when it has no choice."""
+    got = chat.read_answer(chat_response)
+    status, incomplete = _status(got.finish_reason)
+    output: list[dict] = []
+    if got.reasoning:
+        output.append(_reasoning_item(f"rs_{got.id}", got.reasoning, "completed"))
+    if got.text:
+        output.append(_message_item(f"msg_{got.id}", got.text, "completed"))
+    for k, call in enumerate(got.tool_calls):
+        fn = call.get("function") or {}
+        output.append(_function_item(f"fc_{got.id}_{k}", call.get("id") or chat.new_id("call_"),
+                                     fn.get("name") or "", fn.get("arguments") or "", "completed"))
+    model = request_body.get("model", chat_response.get("model"))
+    return _response_object(request_body, f"resp_{got.id}", got.created, model, status, output,
+                            _usage(got.usage), incomplete=incomplete)
+
+
+class Stream(chat.ChatStream):
+    """Chat Completions SSE -> OpenAI Responses SSE (with monotonically increasing sequence numbers)."""
+
+    def __init__(self, request_body: dict) -> None:
+        super().__init__(request_body)
+        self._seq = 0
+
+    def _emit(self, payload: dict) -> None:
+        payload["sequence_number"] = self._seq
+        self._seq += 1
+        self._out.append(chat.sse_event(payload["type"], payload))
+
+    def _response(self, status: str, output: list, usage: dict | None = None, error: dict | None = None,
+                  incomplete: dict | None = None) -> dict:
+        return _response_object(self.request, f"resp_{self.chat_id}", self.created, self.model, status, output,
+                                usage, error, incomplete)
+
+    def _item(self, block: chat.Block, status: str) -> dict:
+        if block.kind == "text":
+            return _message_item(block.item_id, block.text, status)
+        if block.kind == "thinking":
+            return _reasoning_item(block.item_id, block.text, status)
+        return _function_item(block.item_id, block.call_id, block.name, block.text, status)
+
+    def _on_start(self) -> None:
+        self._emit({"type": "response.created", "response": self._response("in_progress", [])})
+        self._emit({"type": "response.in_progress", "response": self._response("in_progress", [])})
+
+    def _on_open(self, block: chat.Block) -> None:
+        prefix = {"text": "msg", "thinking": "rs", "tool": "fc"}[block.kind]
+        block.item_id = f"{prefix}_{self.chat_id}_{block.index}"
+        item = self._item(block, "in_progress")
+        if block.kind != "tool":
+            item["content"] = []
+        self._emit({"type": "response.output_item.added", "output_index": block.index, "item": item})
+        if block.kind == "text":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        elif block.kind == "thinking":
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            return
+        self._emit({"type": "response.content_part.added", "item_id": block.item_id,
+                    "output_index": block.index, "content_index": 0, "part": part})
+
+    def _on_delta(self, block: chat.Block, text: str) -> None:
+        ids = {"item_id": block.item_id, "output_index": block.index}
+        if block.kind == "text":
+            self._emit({"type": "response.output_text.delta", **ids, "content_index": 0, "delta": text,
+                        "logprobs": []})
+        elif block.kind == "thinking":
+            self._emit({"type": "response.reasoning_text.delta", **ids, "content_index": 0, "delta": text})
+        else:
+            self._emit({"type": "response.function_call_arguments.delta", **ids, "delta": text})
+
+    def _on_close(self, block: chat.Block) -> None:
+        ids = {"item_id": block.item_id, "output_index": block.index}
+        item = self._item(block, "incomplete" if block.cut else "completed")
+        if block.kind == "tool":
+            self._emit({"type": "response.function_call_arguments.done", **ids, "name": block.name,
+                        "arguments": block.text})
+        else:
+            if block.kind == "text":
+                self._emit({"type": "response.output_text.done", **ids, "content_index": 0, "text": block.text,
+                            "logprobs": []})
+            else:
+                self._emit({"type": "response.reasoning_text.done", **ids, "content_index": 0,
+                            "text": block.text})
+            self._emit({"type": "response.content_part.done", **ids, "content_index": 0,
+                        "part": item["content"][0]})
+        self._emit({"type": "response.output_item.done", "output_index": block.index, "item": item})
+
+    def _on_end(self) -> None:
+        status, incomplete = _status(self.finish_reason)
+        output = [self._item(b, "completed") for b in self.blocks]
+        response = self._response(status, output, _usage(self.final_usage()), incomplete=incomplete)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        self._emit({"type": kind, "response": response})
+
+    def _on_fail(self, message: str) -> None:
+        if not self.started:
+            self.chat_id = self.chat_id or uuid.uuid4().hex
+            self.started = True
+            self._on_start()
+        output = [self._item(b, "incomplete" if b.cut or not b.closed else "completed") for b in self.blocks]
+        self._emit({"type": "response.failed", "response": self._response(
+            "failed", output, None, error={"code": "server_error", "message": message})})

@@ -20,6 +20,7 @@ The agent is the adversary (docs/rollouts.md, Sandbox). Three modes:
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import socket
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,13 +44,8 @@ NOT_PROTECTED = (
     "and the network directly, from signalling or inspecting other processes of your user, or from leaving "
     "processes running after their episode")
 
-# The first process of a bwrap sandbox: serve 127.0.0.1:PORT by relaying each connection to the Unix socket,
-# run the agent, exit with its status (the namespace and whatever the agent left in it die then).
-FORWARDER = r'''
-import socket, subprocess, sys, threading
-port, path, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-server = socket.create_server(("127.0.0.1", port))
-def pump(a, b):
+def _pump(a: socket.socket, b: socket.socket) -> None:
+    """Copy `a` to `b` until `a` ends, then half-close both."""
     try:
         while data := a.recv(65536):
             b.sendall(data)
@@ -60,25 +56,44 @@ def pump(a, b):
             s.shutdown(how)
         except OSError:
             pass
-def serve():
+
+
+def _relay(server: socket.socket, connect: Callable[[], socket.socket]) -> None:
+    """Join each connection `server` accepts to a new `connect()`, both ways, until `server` is closed; a
+    connection whose upstream cannot be reached is closed."""
     while True:
-        client, _ = server.accept()
-        upstream = socket.socket(socket.AF_UNIX)
         try:
-            upstream.connect(path)
+            client, _ = server.accept()
+        except OSError:
+            return
+        try:
+            upstream = connect()
         except OSError:
             client.close()
             continue
-        threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
-        threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
-threading.Thread(target=serve, daemon=True).start()
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+
+# The first process of a bwrap sandbox: serve 127.0.0.1:PORT by relaying each connection to the Unix socket,
+# run the agent, exit with its status (the namespace and whatever the agent left in it die then). The relay
+# is this module's own `_pump` and `_relay`, by their source.
+FORWARDER = "\n".join(["from __future__ import annotations", "import socket, subprocess, sys, threading",
+                        inspect.getsource(_pump), inspect.getsource(_relay), r'''
+port, path, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+server = socket.create_server(("127.0.0.1", port))
+def connect():
+    upstream = socket.socket(socket.AF_UNIX)
+    upstream.connect(path)
+    return upstream
+threading.Thread(target=_relay, args=(server, connect), daemon=True).start()
 try:
     code = subprocess.call(argv)
 except OSError as e:
     print(f"cannot start {argv[0]}: {e.strerror or e}", file=sys.stderr)
     code = 127
 sys.exit(code if code >= 0 else 128 - code)
-'''
+'''])
 
 
 def unavailable(mode: str) -> str | None:
@@ -194,32 +209,12 @@ class ProxyRelay:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.target, timeout=30)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            threading.Thread(target=_pump, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
+        _relay(self.server, self._connect)
 
-
-def _pump(a: socket.socket, b: socket.socket) -> None:
-    try:
-        while data := a.recv(65536):
-            b.sendall(data)
-    except OSError:
-        pass
-    for s, how in ((b, socket.SHUT_WR), (a, socket.SHUT_RD)):
-        try:
-            s.shutdown(how)
-        except OSError:
-            pass
+    def _connect(self) -> socket.socket:
+        upstream = socket.create_connection(self.target, timeout=30)
+        upstream.settimeout(None)
+        return upstream
 
 
 def as_user(uid: int) -> dict[str, Any]:

@@ -38,7 +38,7 @@ class FlowReadError(ValueError):
 
 def _tokens(rec: Mapping[str, Any]) -> tuple[int, int]:
     """The answer's own usage counts, as reconstruct reads them; (0, 0) for an answer without any."""
-    from openforge.reconstruct.protocols import Skip, parse_record
+    from openforge.reconstruct.calls import Skip, parse_record
 
     try:
         call = parse_record(rec)  # type: ignore[arg-type]

@@ -249,11 +249,11 @@ def test_choice_options_list_their_choices_in_help() -> None:
 def test_choice_enums_offer_what_their_modules_accept() -> None:
     from typing import get_args
 
-    from openforge import replay
     from openforge.addons.options import PROFILES, TRANSLATE
     from openforge.commands import engine, proxy, reconstruct, rollout, train
     from openforge.commands import replay as replay_command
     from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
+    from openforge.replay import trace as replay
     from openforge.rollout.runner import BACKENDS
     from openforge.trainer.config import OBJECTIVES
 

@@ -18,7 +18,9 @@ import openai
 import pytest
 
 from openforge.reconstruct import reconstruct
-from openforge.replay import ReplayIndex, ReplayServer, drive, load_exchanges
+from openforge.replay.drive import drive
+from openforge.replay.serve import ReplayIndex, ReplayServer
+from openforge.replay.trace import load_exchanges
 from openforge.testing.reconstruct_flows import qwen_retokenizer
 from openforge.testing.toolchain_engine import ToolchainEngine
 

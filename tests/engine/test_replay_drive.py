@@ -8,7 +8,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from openforge.replay import ReplayIndex, ReplayServer, drive, load_exchanges, prefix_ratio
+from openforge.replay.drive import drive, prefix_ratio
+from openforge.replay.serve import ReplayIndex, ReplayServer
+from openforge.replay.trace import load_exchanges
 from openforge.testing.toolchain_flows import chat_stream_events, exchange, sse, write_trace
 
 

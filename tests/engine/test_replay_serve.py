@@ -11,7 +11,8 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from openforge.replay import ReplayIndex, ReplayServer, conversation, load_exchanges
+from openforge.replay.serve import ReplayIndex, ReplayServer, conversation
+from openforge.replay.trace import load_exchanges
 from openforge.testing.toolchain_flows import chat_stream_events, exchange, sse, write_trace
 
 SYSTEM = {"role": "system", "content": "You are a shell agent."}

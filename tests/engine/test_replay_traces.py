@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from openforge.replay import ReplayIndex, ReplayServer, load_exchanges, protocol_of_path, recorded_answer
+from openforge.replay.serve import ReplayIndex, ReplayServer, recorded_answer
+from openforge.replay.trace import load_exchanges, protocol_of_path
 
 TRACES = Path(__file__).resolve().parents[2] / "traces"
 TOOLCHAINS = ("claude-code", "codex", "qwen-code", "mini-swe-agent")

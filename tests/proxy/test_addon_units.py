@@ -68,7 +68,7 @@ def test_classify_and_prefixes() -> None:
 def test_mask_and_toolchain() -> None:
     assert wire.mask("Bearer sk-abcdefghijklmnop") == "Bearer sk-a…mnop"
     assert wire.mask("sk-abcdefghijklmnop") == "sk-a…mnop" and wire.mask("short") == "…"
-    headers = wire.masked_headers([("X-Api-Key", "sk-abcdefghijklmnop"), ("accept", "*/*")])
+    headers = wire.masked_fields([(b"X-Api-Key", b"sk-abcdefghijklmnop"), (b"accept", b"*/*")])
     assert headers == [["X-Api-Key", "sk-a…mnop"], ["accept", "*/*"]]
     assert wire.toolchain("claude-cli/2.0.1 (external, cli)") == "claude-code"
     assert wire.toolchain("codex_cli_rs/0.40.0") == "codex"

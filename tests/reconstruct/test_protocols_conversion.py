@@ -10,8 +10,8 @@ import pytest
 
 from openforge.addons import translate
 from openforge.protocols import anthropic, responses
-from openforge.reconstruct import protocols as reconstruct_protocols
-from openforge.reconstruct.protocols import parse_record
+from openforge.reconstruct import calls as reconstruct_calls
+from openforge.reconstruct.calls import parse_record
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 ANTHROPIC = {
@@ -115,6 +115,6 @@ def test_the_proxy_and_reconstruct_call_one_conversion(monkeypatch: pytest.Monke
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search"),
 ])
 def test_what_the_engine_cannot_take_is_skipped_not_dropped(patch: dict, named: str) -> None:
-    with pytest.raises(reconstruct_protocols.Skip) as skip:
+    with pytest.raises(reconstruct_calls.Skip) as skip:
         parse_record(record("anthropic", {**ANTHROPIC, **patch}, NATIVE_ANSWER["anthropic"], translated=False))
     assert skip.value.reason == "unsupported_request" and named in skip.value.detail

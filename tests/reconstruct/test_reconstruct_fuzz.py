@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from openforge.addons.flowfile import pack
 from openforge.protocols.control import ControlClient
 from openforge.reconstruct import Summary, reconstruct, store
-from openforge.reconstruct.protocols import sse_events
+from openforge.reconstruct.calls import sse_events
 from openforge.testing.reconstruct_flows import BASH, db_rows, qwen_path
 from openforge.testing.scripted_engine import ScriptedEngine
 

@@ -7,7 +7,7 @@ import json
 import typer
 from typer.testing import CliRunner
 
-from openforge.reconstruct.protocols import parse_record
+from openforge.reconstruct.calls import parse_record
 
 
 def sse(events: list[tuple[str, dict]]) -> list[list]:
@@ -158,7 +158,7 @@ def test_reconstruct_cli_and_stats(tmp_path):
 
 def test_llamacpp_logprob_ids_trusted_only_when_one_per_token():
     """llama.cpp merges the logprobs entries of tokens that end mid-character: then they are not the ids."""
-    from openforge.reconstruct.protocols import _parse_chat
+    from openforge.reconstruct.calls import _parse_chat
 
     def answer(n_tokens: int) -> bytes:
         lp = [{"id": 5, "token": "a", "logprob": -0.1}, {"id": 249, "token": "🌟", "logprob": -0.2}]

@@ -12,10 +12,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from openforge.reconstruct import Summary, protocols, reconstruct, store
+from openforge.reconstruct import Summary, answer_json, calls, reconstruct, store
+from openforge.reconstruct.answer_json import RawIds
 from openforge.reconstruct.ingest import Ingest
 from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
-from openforge.reconstruct.protocols import RawIds
 from openforge.testing.reconstruct_flows import FlowFactory, db_rows
 
 SAMPLES = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"
@@ -63,7 +63,7 @@ def test_prompt_ids_parsed_only_past_the_previous_call_give_the_same_samples(tmp
                         lambda self, earlier: tails.append(tail_after(self, earlier)) or tails[-1])
     run(tmp_path / "text.duckdb", tmp_path / "flows", retok)
     assert sum(t is not None for t in tails) >= 4  # streamed and not: the shortcut was taken
-    monkeypatch.setattr(protocols, "_loads_answer", protocols._loads)  # every id parsed, as before
+    monkeypatch.setattr(calls, "loads_answer", answer_json.loads)  # every id parsed, as before
     run(tmp_path / "parsed.duckdb", tmp_path / "flows", retok)
     for sql in (SAMPLES, "SELECT * EXCLUDE (t_start) FROM call_tokens ORDER BY call_id"):
         a, b = (json.dumps(db_rows(tmp_path / f"{n}.duckdb", sql), default=str) for n in ("text", "parsed"))
@@ -71,7 +71,7 @@ def test_prompt_ids_parsed_only_past_the_previous_call_give_the_same_samples(tmp
 
 
 def _plain(obj):
-    """`_loads_answer`'s result with every RawIds parsed: must equal what json.loads gives."""
+    """`loads_answer`'s result with every RawIds parsed: must equal what json.loads gives."""
     if isinstance(obj, RawIds):
         return obj.parse()
     if isinstance(obj, dict):
@@ -91,7 +91,7 @@ def _plain(obj):
     (b'{"sglext": {"prompt_token_ids": [1, 2]}}', False),  # not where ids are read: parsed normally
 ])
 def test_loads_answer_keeps_one_prompt_id_array_as_text(body, kept):
-    obj = protocols._loads_answer(body)
+    obj = answer_json.loads_answer(body)
     holders = [obj, *obj.get("choices", [])]
     assert any(isinstance(h.get("prompt_token_ids"), RawIds) for h in holders) == kept
     assert _plain(obj) == json.loads(body)
@@ -100,7 +100,7 @@ def test_loads_answer_keeps_one_prompt_id_array_as_text(body, kept):
 def test_loads_answer_still_rejects_bad_json():
     for bad in (b'{"prompt_token_ids": [1, 2], "x": }', b'{"prompt_token_ids": [1, 2]'):
         with pytest.raises(ValueError):
-            protocols._loads_answer(bad)
+            answer_json.loads_answer(bad)
 
 
 @pytest.mark.parametrize("earlier, text, tail", [

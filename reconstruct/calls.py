@@ -21,11 +21,8 @@ from openforge.protocols import anthropic, engine_ids, responses, sse
 from openforge.protocols.chat import Drops, tool_call
 from openforge.protocols.endpoints import LLM_PROTOCOLS
 from openforge.protocols.errors import ProtocolError
+from openforge.reconstruct.answer_json import RawIds, loads, loads_answer
 
-try:
-    import orjson
-except ImportError:  # optional speed-up; the stdlib parses the same documents
-    orjson = None  # type: ignore[assignment]
 
 class Skip(Exception):
     """A record (or one choice of it) that cannot become a training call; `reason` is a short class for the
@@ -65,57 +62,6 @@ class Call:
     engine_completion_ids: list[int] | None = None
     engine_logprobs: list[float] | None = None
     images: list[Image] = field(default_factory=list)
-
-
-class RawIds:
-    """The engine's prompt ids still as the text of their JSON array.
-
-    Every call of an agent loop resends the whole conversation, so its prompt ids repeat the previous
-    call's and only the last turn is new. Parsing ~8k ids per call to Python ints was most of what a
-    reconstruct with engine ids cost; kept as text, `reconstruct.prefixes` compares it with the episode's
-    previous call byte for byte and parses only the ids after it (`tail_after`).
-    """
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: bytes) -> None:
-        self.text = text  # b"[1, 2, 3]": checked to hold no nested array, object or string
-
-    def parse(self) -> list[int]:
-        return _loads(self.text)
-
-    def tail_after(self, earlier: RawIds) -> list[int] | None:
-        """The ids after all of `earlier`'s when this array starts with them (the same text); else None."""
-        head = earlier.text[:-1].rstrip()  # b"[1, 2, 3": a whole number ends it, so the next byte decides
-        if len(head) < 2 or not self.text.startswith(head):
-            return None
-        rest = self.text[len(head):].lstrip()
-        if rest.startswith(b","):
-            return _loads(b"[" + rest[1:])
-        return [] if rest.startswith(b"]") else None
-
-
-def _loads_answer(data: bytes | str) -> Any:
-    """`_loads` of an engine answer or SSE event, its one `prompt_token_ids` array left as `RawIds`.
-
-    The array is cut out without parsing (`engine_ids.cut_prompt_ids`, as the proxy drops it),
-    read as `[]`, and put back as text where it was; an answer with it anywhere else is parsed normally.
-    """
-    if isinstance(data, str):  # SSE events arrive decoded
-        if '"prompt_token_ids"' not in data:
-            return _loads(data)
-        data = data.encode()
-    rest, ids = engine_ids.cut_prompt_ids(data)
-    if ids is None:
-        return _loads(data)
-    obj = _loads(rest)
-    if isinstance(obj, dict):
-        choices = obj.get("choices")
-        for holder in [obj, *(choices if isinstance(choices, list) else ())]:
-            if isinstance(holder, dict) and holder.get("prompt_token_ids") == []:
-                holder["prompt_token_ids"] = RawIds(ids)
-                return obj
-    return _loads(data)
 
 
 def _ids(ids: Any) -> list[int] | RawIds | None:
@@ -191,20 +137,9 @@ def _response_bytes(response: HttpResponse) -> bytes:
     return body
 
 
-def _loads(data: Any) -> Any:
-    """orjson where installed (3-5x faster on bodies full of token ids); the stdlib for what it rejects
-    (NaN/Infinity literals, which some engines write in logprobs)."""
-    if orjson is not None:
-        try:
-            return orjson.loads(data)
-        except (orjson.JSONDecodeError, TypeError):
-            pass
-    return json.loads(data)
-
-
-def _json_body(body: Any, what: str, loads: Callable[[Any], Any] = _loads) -> Any:
+def _json_body(body: Any, what: str, parse: Callable[[Any], Any] = loads) -> Any:
     try:
-        return loads(body or b"")
+        return parse(body or b"")
     except (ValueError, TypeError) as e:
         raise Skip("non_json_body", f"{what} body is not JSON: {e}") from None
 
@@ -221,7 +156,7 @@ def _sse_json(raw: bytes) -> Iterator[tuple[str | None, dict[str, Any]]]:
         if data.strip() == "[DONE]":
             continue
         try:
-            obj = _loads_answer(data)
+            obj = loads_answer(data)
         except ValueError:
             raise Skip("non_json_body", f"SSE event is not JSON: {data[:200]}") from None
         if name == "error" or (
@@ -344,8 +279,16 @@ def _completion_tokens(usage: dict[str, Any], choices: dict[int, _Choice], choic
     return len(choice.ids) or None
 
 
-def _unfinished(call_id: str) -> Skip:
-    return Skip("truncated_stream", "stream ended without a finish_reason", call_id)
+def _finished(rec: ExchangeRecord, protocol: str, streamed: bool, choices: dict[int, _Choice],
+              out: list[Call | Skip]) -> Iterator[tuple[dict[str, Any], _Choice]]:
+    """Each choice in index order with its call's base fields; one a stream never finished goes to `out` as
+    a Skip instead."""
+    for index, part in sorted(choices.items()):
+        base = _base(rec, index, protocol, streamed)
+        if streamed and part.finish is None:
+            out.append(Skip("truncated_stream", "stream ended without a finish_reason", base["call_id"]))
+        else:
+            yield base, part
 
 
 # ---------------------------------------------------------------- Chat Completions
@@ -406,7 +349,7 @@ def _parse_chat(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, stream
                 raise Skip("no_choices", "stream carried no choices")
             raise Skip("truncated_stream", "stream ended without a finish_reason")
     else:
-        body = _json_body(raw, "response", _loads_answer)
+        body = _json_body(raw, "response", loads_answer)
         if not isinstance(body, dict) or not body.get("choices"):
             raise Skip("no_choices", f"response has no choices: {raw[:200]!r}")
         usage, sgl = body.get("usage") or {}, body.get("sglext") or {}
@@ -426,11 +369,7 @@ def _parse_chat(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, stream
     sgl_prompt, sgl_completion = engine_ids.sglang_ids(sgl)
     messages, tools = _chat_messages(request, images), _chat_tools(request)
     out: list[Call | Skip] = []
-    for index, part in sorted(choices.items()):
-        base = _base(rec, index, "chat", streamed)
-        if streamed and part.finish is None:
-            out.append(_unfinished(base["call_id"]))
-            continue
+    for base, part in _finished(rec, "chat", streamed, choices, out):
         if not part.ids and len(choices) == 1:  # SGLang's and llama.cpp's ids cannot be told apart per choice
             part.ids = sgl_completion or engine_ids.llamacpp_completion_ids(part.lp_ids, usage)
         out.append(Call(
@@ -461,7 +400,7 @@ def _parse_completions(rec: ExchangeRecord, request: dict[str, Any], raw: bytes,
         raise Skip("unsupported_request", "completions prompt is neither text nor token ids")
     choices: dict[int, _Choice] = {}
     usage: dict[str, Any] = {}
-    bodies = [c for _, c in _sse_json(raw)] if streamed else [_json_body(raw, "response", _loads_answer)]
+    bodies = [c for _, c in _sse_json(raw)] if streamed else [_json_body(raw, "response", loads_answer)]
     for body in bodies:
         if not isinstance(body, dict):
             continue
@@ -477,11 +416,7 @@ def _parse_completions(rec: ExchangeRecord, request: dict[str, Any], raw: bytes,
     if not choices:
         raise Skip("no_choices", "completions response has no choices")
     out: list[Call | Skip] = []
-    for index, part in sorted(choices.items()):
-        base = _base(rec, index, "completions", streamed)
-        if streamed and part.finish is None:
-            out.append(_unfinished(base["call_id"]))
-            continue
+    for base, part in _finished(rec, "completions", streamed, choices, out):
         text = "".join(part.text)
         out.append(Call(
             **base,
