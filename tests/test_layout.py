@@ -1,5 +1,6 @@
 """Where tests live: the addon tests (`-m addon`, also run in the light Python 3.12 proxy environment) only
-in tests/proxy and tests/protocols, the folders an addon run collects (tests/conftest.py)."""
+in tests/proxy and tests/protocols, the folders an addon run collects (tests/conftest.py); one name per
+test module across the folders."""
 
 from __future__ import annotations
 
@@ -28,3 +29,9 @@ def test_addon_tests_live_in_the_addon_folders() -> None:
     marked = [p.relative_to(TESTS) for p in sorted(TESTS.rglob("test_*.py")) if marks_addon(p.read_text())]
     assert marked, "no addon tests found"
     assert [str(p) for p in marked if p.parts[0] not in ADDON_FOLDERS] == []
+
+
+def test_test_module_names_are_unique() -> None:
+    """The folders have no `__init__.py`: pytest imports each test module by its file name alone."""
+    names = [p.name for p in TESTS.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
