@@ -38,11 +38,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import duckdb
 import numpy as np
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from openforge.samples import connect
 from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
@@ -121,7 +121,7 @@ def trace_shapes(traces: Path) -> list[TraceShape]:
     with tempfile.TemporaryDirectory() as tmp:
         db = Path(tmp) / "traces.duckdb"
         reconstruct([traces], db, str(Path(qwen) / "tokenizer_files"), missing_reward="keep")
-        con = duckdb.connect(str(db), read_only=True)
+        con = connect(db)
         calls = con.execute("SELECT episode_id, toolchain, prompt_tokens, completion_tokens FROM calls "
                             "ORDER BY episode_id, t_start").fetchall()
         firsts = dict(con.execute("SELECT episode_id, input_ids FROM samples s WHERE sample_id = "

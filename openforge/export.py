@@ -13,7 +13,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from openforge.reconstruct.store import SCHEMA_VERSION
+from openforge.samples import SchemaError, Selection, connect, first_line
 
 FORMATS = ("parquet", "verl", "slime", "trl")
 BATCH_ROWS = 256  # rows per Arrow record batch fetched from DuckDB
@@ -35,29 +35,17 @@ IMAGES_SQL = """
      FROM sample_images i JOIN images b USING (hash) WHERE i.sample_id = g.sample_id)"""
 
 
-def selection_sql(where: str, group_by: str, images: bool = False) -> str:
-    """The selected samples in group order, each with its GRPO group as reconstruct/rewards.py advantage_sql
-    forms it: the task (no task: the run), and the toolchain under `task-toolchain`, within the episode's
-    policy version (the lowest of its calls). `images`: with each sample's images (`IMAGES_SQL`)."""
-    selected = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
+def selection_sql(selection: Selection, images: bool = False) -> str:
+    """The selected samples in group order (their stored GRPO `group_id`, as reconstruct's advantages compared
+    them). `images`: with each sample's images (`IMAGES_SQL`)."""
     image_columns = f", processor, {IMAGES_SQL} AS images" if images else ""
-    group = ("coalesce('task:' || s.task_id, 'run:' || coalesce(s.run_id, ''))"
-             + (" || '/' || coalesce(e.toolchain, '')" if group_by == "task-toolchain" else "")
-             + " || '@v' || coalesce(CAST(v.policy_version AS VARCHAR), '?')")
     return f"""
-    WITH s AS (SELECT * FROM samples WHERE {selected}),
-    g AS (
-        SELECT s.*, {group} AS group_id
-        FROM s LEFT JOIN episodes e USING (episode_id)
-        LEFT JOIN (SELECT episode_id, min(policy_version) AS policy_version FROM calls GROUP BY episode_id) v
-            USING (episode_id)
-    )
     SELECT sample_id, episode_id, run_id, task_id, role, toolchain, policy_version, token_source, tokenizer,
            vocab_size, n_tokens, n_trainable, n_calls, reward, advantage, weight, group_id,
            CAST(dense_rank() OVER (ORDER BY group_id) - 1 AS BIGINT) AS group_index,
            CAST(dense_rank() OVER (ORDER BY group_id, episode_id) - 1 AS BIGINT) AS episode_index,
            input_ids, loss_mask, behaviour_logprobs, n_images{image_columns}
-    FROM g ORDER BY group_id, episode_id, sample_id
+    FROM samples g WHERE {selection.sql()} ORDER BY group_id, episode_id, sample_id
     """
 
 
@@ -165,37 +153,22 @@ SCHEMAS = {
 ROWS = {"parquet": parquet_row, "verl": verl_row, "trl": trl_row}
 
 
-def first_line(e: Exception) -> str:
-    """DuckDB's message without the query excerpt it appends on later lines."""
-    return str(e).strip().splitlines()[0]
-
-
 def open_selection(db: Path, where: str, fmt: str) -> tuple[duckdb.DuckDBPyConnection, str, int]:
     """A read-only connection, the selection's SQL and its row count; refuses what cannot be exported."""
-    if not db.is_file():
-        raise ExportError(f"no database at {db}")
     try:
-        con = duckdb.connect(str(db), read_only=True)
-    except duckdb.Error as e:
-        raise ExportError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
+        con = connect(db)
+    except SchemaError as e:
+        raise ExportError(str(e)) from None
+    selection = Selection(where)
     try:
-        meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
-    except duckdb.Error:
-        con.close()
-        raise ExportError(f"{db} is a DuckDB file that `openforge reconstruct` did not write (no meta table)") from None
-    try:
-        if meta.get("schema_version") != SCHEMA_VERSION:
-            con.close()
-            raise ExportError(f"{db} has schema version {meta.get('schema_version')}, this export reads "
-                              f"{SCHEMA_VERSION}: run `openforge reconstruct` on it once (it migrates the database)")
-        sql = selection_sql(where, meta.get("group_by", "task"), images=fmt == "parquet")
+        sql = selection_sql(selection, images=fmt == "parquet")
         n, with_images = con.execute(f"SELECT count(*), count(*) FILTER (n_images > 0) FROM ({sql})").fetchall()[0]
     except duckdb.Error as e:
         con.close()
         raise ExportError(f"selection failed: {first_line(e)} (--where is SQL on the samples table)") from None
     if n == 0:
         con.close()
-        raise ExportError(f"no samples selected (n_trainable > 0{f' AND ({where})' if where.strip() else ''})")
+        raise ExportError(f"no samples selected ({selection.sql()})")
     if with_images and fmt != "parquet":  # their image pads without the pixels would train on nothing
         con.close()
         raise ExportError(f"{with_images} of the {n} selected samples have images, which the {fmt} format does "

@@ -26,6 +26,7 @@ from openforge.reconstruct.summary import Summary
 from openforge.reconstruct.tokenize import Retokenizer
 from openforge.reconstruct.trajectories import DRIFT_CLASSES, SampleRow, TreeCall, build_tree, chains, near_misses
 from openforge.reconstruct.vision import image_pad_id, pad_runs
+from openforge.samples import SAMPLE_COLUMNS, list_arrays
 
 if TYPE_CHECKING:
     import duckdb
@@ -33,11 +34,7 @@ if TYPE_CHECKING:
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 READ_CELLS = 1_000_000  # whole episodes are read until their token ids reach this many (at least one episode)
 
-SAMPLE_COLUMNS = [
-    "sample_id", "episode_id", "run_id", "task_id", "tokenizer", "vocab_size", "token_source", "input_ids",
-    "loss_mask", "behaviour_logprobs", "n_tokens", "n_trainable", "n_calls", "reward", "advantage", "weight",
-    "created_at", "role", "toolchain", "policy_version", "n_images", "processor",
-]
+NEW_SAMPLE_COLUMNS = [c for c in SAMPLE_COLUMNS if c != "group_id"]  # `_finish` sets it with the advantages
 SAMPLE_IMAGE_COLUMNS = ["sample_id", "idx", "hash", "token_start", "n_tokens", "grid_t", "grid_h", "grid_w"]
 EPISODE_COLUMNS = [
     "episode_id", "run_id", "task_id", "toolchain", "n_calls", "n_samples", "reward", "weight",
@@ -101,7 +98,7 @@ class Rebuild:
     def __init__(self, con: duckdb.DuckDBPyConnection, retok: Retokenizer, build: BuildOptions,
                  summary: Summary) -> None:
         self.con, self.retok, self.build, self.summary = con, retok, build, summary
-        self.samples = store.Buffer(con, "samples", SAMPLE_COLUMNS)
+        self.samples = store.Buffer(con, "samples", NEW_SAMPLE_COLUMNS)
         self.episodes = store.Buffer(con, "episodes", EPISODE_COLUMNS)
         self.owners = store.Buffer(con, "_owners", ["call_id", "sample_id"])  # which sample trains a call
         self.sample_images = store.Buffer(con, "sample_images", SAMPLE_IMAGE_COLUMNS)
@@ -330,9 +327,10 @@ class Rebuild:
         con.execute("INSERT OR REPLACE INTO meta VALUES ('group_by', ?)", [group_by])
         con.execute("INSERT OR REPLACE INTO meta VALUES ('build_options', ?)", [self.build.key()])
         con.execute("""
-            UPDATE samples SET advantage = e.advantage, reward = e.reward, weight = e.weight
+            UPDATE samples SET advantage = e.advantage, reward = e.reward, weight = e.weight, group_id = e.group_id
             FROM episodes e WHERE samples.episode_id = e.episode_id
-              AND (samples.advantage IS DISTINCT FROM e.advantage OR samples.reward IS DISTINCT FROM e.reward)""")
+              AND (samples.advantage IS DISTINCT FROM e.advantage OR samples.reward IS DISTINCT FROM e.reward
+                   OR samples.group_id IS DISTINCT FROM e.group_id)""")
         con.execute("""
             UPDATE calls SET sample_id = o.sample_id FROM _owners o WHERE calls.call_id = o.call_id""")
         con.execute("""
@@ -369,7 +367,7 @@ def _episode_rows(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, list[Ro
             ORDER BY ct.episode_id, ct.t_start NULLS LAST, ct.seq, ct.call_id""")
         batch = (getattr(rel, "to_arrow_table", None) or rel.arrow)()  # renamed in duckdb 1.4
         con.unregister("_episode_chunk")
-        lists = {c: _list_views(batch.column(c)) for c in _LIST_COLUMNS}
+        lists = {c: list_arrays(batch.column(c)) for c in _LIST_COLUMNS}
         plain = batch.select(plain_columns).to_pylist()
         current: str = ""
         rows: list[Row] = []
@@ -406,18 +404,3 @@ def _chunks_by_volume(sizes: list[tuple[str, int]], limit: int) -> Iterable[list
         total += n
     if chunk:
         yield chunk
-
-
-def _list_views(col: Any) -> list[np.ndarray | None]:
-    """A list<int32|float32> Arrow column as one numpy view per row (None where NULL)."""
-    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    offsets = col.offsets.to_numpy()
-    values = col.values.to_numpy(zero_copy_only=False)
-    bitmap = col.buffers()[0]  # validity bitmap read directly: `is_valid()` would import pyarrow.compute (~0.15 s)
-    valid = (
-        np.unpackbits(np.frombuffer(bitmap, np.uint8), bitorder="little")[col.offset : col.offset + len(col)]
-        .astype(bool)
-        if bitmap is not None and col.null_count
-        else np.full(len(col), not col.null_count or len(col) == 0)
-    )
-    return [values[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(len(col))]

@@ -108,34 +108,44 @@ WHERE rank = 1
 """
 
 
+def group_ids_sql(group_by: str | None = None) -> str:
+    """UPDATE every episode's `group_id`: the GRPO group its advantage compares it in, stored once for the
+    advantages, the trainer's group filter and export alike. `task:<task_id>` (no task id: `run:<run_id>`),
+    plus `/<toolchain>` under `task-toolchain`, then `@v<policy version>` (the lowest of the episode's calls,
+    `?` when none was recorded): attempts of one task by two policies of an RL run are never compared.
+    `group_by` None: the database's `meta.group_by` (a migration)."""
+    if group_by is not None and group_by not in GROUPINGS:
+        raise ValueError(f"group_by must be one of {', '.join(GROUPINGS)}, not {group_by!r}")
+    by = "(SELECT value FROM meta WHERE key = 'group_by')" if group_by is None else f"'{group_by}'"
+    group = ("coalesce('task:' || e.task_id, 'run:' || coalesce(e.run_id, ''))"
+             f" || CASE WHEN {by} = 'task-toolchain' THEN '/' || coalesce(e.toolchain, '') ELSE '' END"
+             " || '@v' || coalesce(CAST(v.policy_version AS VARCHAR), '?')")
+    return f"""
+    UPDATE episodes SET group_id = g.group_id FROM (
+        SELECT e.episode_id, {group} AS group_id FROM episodes e LEFT JOIN (
+            SELECT episode_id, min(policy_version) AS policy_version FROM calls GROUP BY episode_id
+        ) v USING (episode_id)
+    ) AS g WHERE episodes.episode_id = g.episode_id AND episodes.group_id IS DISTINCT FROM g.group_id
+    """
+
+
 def advantage_sql(mode: str, group_by: str = "task") -> str:
-    """UPDATE every rewarded episode's advantage within its group: the task (no task id: one group per run),
-    or the task and the toolchain (`task-toolchain`: each toolchain's episodes compared among themselves);
-    either way within one policy version (the lowest of the episode's calls): attempts of one task by two
-    policies of an RL run are never compared."""
+    """Every episode's group id (`group_ids_sql`), then every rewarded episode's advantage within its group."""
     if mode not in ADVANTAGES:
         raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, not {mode!r}")
-    if group_by not in GROUPINGS:
-        raise ValueError(f"group_by must be one of {', '.join(GROUPINGS)}, not {group_by!r}")
-    group = "coalesce(task_id, '\\x00run:' || coalesce(run_id, ''))"
-    if group_by == "task-toolchain":
-        group += ", coalesce(toolchain, '')"
     formula = {
         "grpo": f"CASE WHEN n > 1 THEN (reward - mean) / (coalesce(std, 0) + {GRPO_EPS}) ELSE 0 END",
         "grpo-no-std": "reward - mean",
         "rloo": "CASE WHEN n > 1 THEN reward - (total - reward) / (n - 1) ELSE 0 END",
     }[mode]
-    return f"""
+    return group_ids_sql(group_by) + f""";
     UPDATE episodes SET advantage = g.adv FROM (
         SELECT episode_id, {formula} AS adv FROM (
             SELECT episode_id, reward,
                    avg(reward) OVER w AS mean, stddev_samp(reward) OVER w AS std,
                    count(*) OVER w AS n, sum(reward) OVER w AS total
-            FROM episodes LEFT JOIN (
-                SELECT episode_id, min(policy_version) AS policy_version FROM calls GROUP BY episode_id
-            ) USING (episode_id)
-            WHERE reward IS NOT NULL
-            WINDOW w AS (PARTITION BY {group}, coalesce(policy_version, -1))
+            FROM episodes WHERE reward IS NOT NULL
+            WINDOW w AS (PARTITION BY group_id)
         )
     ) AS g WHERE episodes.episode_id = g.episode_id
     """

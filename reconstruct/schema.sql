@@ -1,12 +1,13 @@
--- OpenForge DuckDB schema, version 6.
--- The contract between reconstruct/ (writer) and trainer/ (reader); documented in docs/schema.md.
+-- OpenForge DuckDB schema, version 7.
+-- The contract between reconstruct/store.py (writer) and openforge/samples.py (reader); documented in
+-- docs/schema.md.
 -- Every statement is idempotent so opening an existing database re-applies nothing.
 
 CREATE TABLE IF NOT EXISTS meta (
     key   VARCHAR PRIMARY KEY,
     value VARCHAR NOT NULL
 );
-INSERT INTO meta VALUES ('schema_version', '6') ON CONFLICT DO NOTHING;
+INSERT INTO meta VALUES ('schema_version', '7') ON CONFLICT DO NOTHING;
 
 -- One row per flow file already ingested; re-running reconstruct skips what is here.
 CREATE TABLE IF NOT EXISTS ingested_files (
@@ -58,7 +59,8 @@ CREATE TABLE IF NOT EXISTS episodes (
     drift_template        INTEGER NOT NULL DEFAULT 0,
     drift_retokenization  INTEGER NOT NULL DEFAULT 0,
     drift_client_rewrite  INTEGER NOT NULL DEFAULT 0,
-    drift_other           INTEGER NOT NULL DEFAULT 0
+    drift_other           INTEGER NOT NULL DEFAULT 0,
+    group_id              VARCHAR              -- the GRPO group its advantage compares it in (rewards.GROUP_IDS_SQL)
 );
 
 -- One row per root-to-leaf chain of an episode's trajectory tree: what the trainer consumes.
@@ -85,8 +87,9 @@ CREATE TABLE IF NOT EXISTS samples (
     policy_version     BIGINT,             -- the lowest policy version of the calls trainable here (of the chain's
                                            -- calls when none is); NULL when one of them recorded none
     n_images           INTEGER NOT NULL DEFAULT 0, -- rows in sample_images
-    processor          JSON                -- the image processor's settings the image grids were computed with
+    processor          JSON,               -- the image processor's settings the image grids were computed with
                                            -- (its to_dict(): class, patch/merge sizes, pixel limits, ...); NULL: no images
+    group_id           VARCHAR             -- its episode's GRPO group (episodes.group_id)
 );
 
 -- Each image once, keyed by the sha256 of its bytes (as the client sent them, decoded from base64).
@@ -177,4 +180,24 @@ CREATE TABLE IF NOT EXISTS call_tokens (
 CREATE TABLE IF NOT EXISTS call_messages (
     hash    VARCHAR PRIMARY KEY,
     message JSON NOT NULL
+);
+
+-- `openforge rl`: one row per rollout episode an iteration ran to the end (store.record_rl_iteration).
+CREATE TABLE IF NOT EXISTS rl_episodes (
+    iteration  INTEGER NOT NULL,
+    episode_id VARCHAR NOT NULL,
+    task_id    VARCHAR,
+    toolchain  VARCHAR,
+    attempt    INTEGER,
+    status     VARCHAR NOT NULL,           -- the episode's result status (openforge/rollout)
+    reward     DOUBLE                      -- the reward its result.json says it posted
+);
+
+-- `openforge rl`: episodes whose stored reward is not the one their result.json says they posted; left out
+-- of training (samples.Selection.iterations).
+CREATE TABLE IF NOT EXISTS rl_reward_mismatches (
+    iteration     INTEGER NOT NULL,
+    episode_id    VARCHAR NOT NULL,
+    result_reward DOUBLE,
+    db_reward     DOUBLE
 );

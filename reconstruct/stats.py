@@ -3,49 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from openforge.reconstruct.store import MIGRATIONS, REBUILD, SCHEMA_VERSION
 from openforge.reconstruct.trajectories import DRIFT_CLASSES
-
-if TYPE_CHECKING:
-    import duckdb
-
-
-class StatsError(ValueError):
-    """The file cannot be read as a reconstruct database; the message says what to do."""
-
-
-def first_line(e: Exception) -> str:
-    """DuckDB's message without what it appends on later lines."""
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def open_database(db: str | Path) -> duckdb.DuckDBPyConnection:
-    """A read-only connection to a reconstruct database of this schema version: the queries below name its
-    columns, so another version (or another file) is refused with what to run instead of failing mid-way."""
-    import duckdb
-
-    try:
-        con = duckdb.connect(str(db), read_only=True)
-    except duckdb.Error as e:
-        raise StatsError(f"{db} is not a DuckDB database: {first_line(e)}") from None
-    try:
-        row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    except duckdb.Error:
-        con.close()
-        raise StatsError(f"{db} is a DuckDB file that `openforge reconstruct` did not write (no meta table)") from None
-    version = str(row[0]) if row else None
-    if version != SCHEMA_VERSION:
-        con.close()
-        fix = (f"run `openforge reconstruct FLOWS --db {db}` once (it migrates versions {', '.join(MIGRATIONS)} "
-               "in place)" if version in MIGRATIONS else REBUILD)
-        raise StatsError(f"{db} has schema version {version}, this stats reads {SCHEMA_VERSION}: {fix}")
-    return con
+from openforge.samples import connect
 
 
 def collect(db: str | Path) -> dict[str, Any]:
-    con = open_database(db)
+    """The totals; `samples.SchemaError` for a file that is not a database of this schema version (the
+    queries name its columns)."""
+    con = connect(db)
     try:
         def one(query: str) -> tuple[Any, ...]:
             return con.execute(query).fetchone() or ()

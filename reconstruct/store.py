@@ -1,4 +1,5 @@
-"""DuckDB side: apply the versioned schema, bulk-insert Arrow batches, remember ingested files."""
+"""The DuckDB contract's writer: apply the versioned schema, migrate older versions, bulk-insert Arrow
+batches. `openforge/samples.py` is its reader."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from openforge.reconstruct.rewards import group_ids_sql
+from openforge.samples import REBUILD, SCHEMA_VERSION
+
 if TYPE_CHECKING:
     import duckdb
-
-SCHEMA_VERSION = "6"
 
 
 def schema_sql() -> str:
@@ -60,6 +62,15 @@ MIGRATIONS = {
         "ALTER TABLE samples ADD COLUMN IF NOT EXISTS processor JSON",
         *(_create_table(t) for t in ("images", "sample_images", "call_images")),
         "UPDATE meta SET value = '6' WHERE key = 'schema_version'",
+    ],
+    # each episode's GRPO group stored once (advantages, the trainer's group filter and export read it),
+    # computed as the last run's advantages grouped them (meta.group_by)
+    "6": [
+        "ALTER TABLE episodes ADD COLUMN IF NOT EXISTS group_id VARCHAR",
+        "ALTER TABLE samples ADD COLUMN IF NOT EXISTS group_id VARCHAR",
+        group_ids_sql(),
+        "UPDATE samples SET group_id = e.group_id FROM episodes e WHERE samples.episode_id = e.episode_id",
+        "UPDATE meta SET value = '7' WHERE key = 'schema_version'",
     ],
 }
 # A database whose rows a migration would lose: (query counting them, what they are) per version.
@@ -162,9 +173,6 @@ def connect(db: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
-REBUILD = "reconstruct the flow files into a new database (--db)"
-
-
 def _version(con: duckdb.DuckDBPyConnection) -> str:
     row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     return str(row[0]) if row else ""
@@ -173,6 +181,27 @@ def _version(con: duckdb.DuckDBPyConnection) -> str:
 def _count(con: duckdb.DuckDBPyConnection, query: str) -> int:
     row = con.execute(query).fetchone()
     return int(row[0]) if row else 0
+
+
+def record_rl_iteration(con: duckdb.DuckDBPyConnection, iteration: int,
+                        episodes: list[tuple[str, str | None, str | None, int | None, str, float | None]],
+                        mismatches: list[tuple[str, float | None, float | None]]) -> None:
+    """Replace an RL iteration's rows in one transaction: `episodes` (episode_id, task_id, toolchain, attempt,
+    status, reward) into `rl_episodes`, and those whose stored reward is not the one they posted
+    (episode_id, result reward, stored reward) into `rl_reward_mismatches`."""
+    con.begin()
+    try:
+        con.execute("DELETE FROM rl_episodes WHERE iteration = ?", [iteration])
+        con.execute("DELETE FROM rl_reward_mismatches WHERE iteration = ?", [iteration])
+        if episodes:  # executemany refuses an empty list
+            con.executemany("INSERT INTO rl_episodes VALUES (?, ?, ?, ?, ?, ?, ?)", [(iteration, *e) for e in episodes])
+        if mismatches:
+            con.executemany("INSERT INTO rl_reward_mismatches VALUES (?, ?, ?, ?)",
+                            [(iteration, *m) for m in mismatches])
+        con.commit()
+    except BaseException:
+        con.rollback()
+        raise
 
 
 def numeric_list_array(values: list[np.ndarray | None], typ: pa.ListType) -> pa.Array:

@@ -10,53 +10,87 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
+from openforge.samples import SchemaError, Selection, connect, first_line, list_arrays
+
+if TYPE_CHECKING:
+    from openforge.trainer.config import TrainConfig
+
 COLUMNS = ("sample_id, episode_id, input_ids, loss_mask, behaviour_logprobs, advantage, reward, weight, n_images, "
            "processor")
 ARROW_ROWS = 256  # rows per Arrow record batch fetched from DuckDB
-# A GRPO group as reconstruct's advantages define it (rewards.advantage_sql, group_by = task): the task (the
-# run for samples without one) within one policy version.
-GROUP_KEY = ("coalesce(task_id, '\\x00run:' || coalesce(run_id, '')) || '\\x00v' || "
-             "coalesce(policy_version, -1)::VARCHAR")
 
 
 class DataError(ValueError):
     """The selected samples cannot be trained on as asked; the message says what to change."""
 
 
-def first_line(e: Exception) -> str:
-    """DuckDB's message without the query excerpt it appends on later lines (an error is one line)."""
-    return str(e).strip().splitlines()[0]
-
-
-def selection_filter(where: str = "", drop_zero_advantage: bool = False, group_filter: str = "none",
-                     seed: int = 0) -> str:
-    """SQL on `samples`: the trainable samples `where` selects; without those whose advantage is 0
+def trainable_sql(selection: Selection, drop_zero_advantage: bool = False, group_filter: str = "none",
+                  seed: int = 0) -> str:
+    """SQL on `samples`: the samples `selection` selects; without those whose advantage is 0
     (`drop_zero_advantage`: they add no gradient), and with `group_filter = "dynamic"` only in the groups
     `dynamic_groups` keeps."""
-    base = f"n_trainable > 0 AND ({where})" if where.strip() else "n_trainable > 0"
+    base = selection.sql()
     out = base
     if drop_zero_advantage:
         out += " AND (advantage IS NULL OR advantage <> 0)"  # NULL stays selected: `check` names it
     if group_filter == "dynamic":
-        out += f" AND {GROUP_KEY} IN ({dynamic_groups(base, seed)})"
+        out += f" AND group_id IN ({dynamic_groups(base, seed)})"
     return out
 
 
 def dynamic_groups(base: str, seed: int) -> str:
-    """SQL: the group keys the dynamic filter keeps among the samples `base` selects. Per group, over its
-    episodes: pass rate = the share with a reward > 0; a group with no positive reward, or with an aborted
-    episode (no reward), is dropped; any other is kept with probability min(1, 1 - pass rate), drawn from a
-    hash of (group, seed): the same groups on every rank and on a resume."""
-    episodes = (f"SELECT {GROUP_KEY} AS g, episode_id, any_value(reward) AS reward FROM samples WHERE {base} "
+    """SQL: the GRPO groups (`group_id`) the dynamic filter keeps among the samples `base` selects. Per group,
+    over its episodes: pass rate = the share with a reward > 0; a group with no positive reward, or with an
+    aborted episode (no reward), is dropped; any other is kept with probability min(1, 1 - pass rate), drawn
+    from a hash of (group, seed): the same groups on every rank and on a resume."""
+    episodes = (f"SELECT group_id AS g, episode_id, any_value(reward) AS reward FROM samples WHERE {base} "
                 "GROUP BY ALL")
     draw = f"hash(g || ':{int(seed)}') / 18446744073709551616.0"  # hash() is a UBIGINT: uniform in [0, 1)
     return (f"SELECT g FROM ({episodes}) GROUP BY g HAVING count(*) FILTER (reward > 0) > 0 AND "
             f"count(*) FILTER (reward IS NULL) = 0 AND {draw} < 1 - avg(CASE WHEN reward > 0 THEN 1.0 ELSE 0.0 END)")
+
+
+def training_filter(cfg: TrainConfig) -> tuple[bool, str]:
+    """What the trainer under `cfg` drops of a selection: (drop_zero_advantage, group_filter); both only for
+    the ppo objective."""
+    ppo = cfg.objective == "ppo"
+    return ppo and not cfg.keep_zero_advantage, cfg.group_filter if ppo else "none"
+
+
+def nothing_to_learn(db: str | Path, selection: Selection, cfg: TrainConfig) -> str:
+    """Why the trainer under `cfg` would select nothing of `selection`: no trainable sample, every group
+    with equal rewards (advantage 0 everywhere), or the dynamic group filter keeping none; "" when there is
+    something to learn."""
+    drop_zero, group_filter = training_filter(cfg)
+    try:
+        con = connect(db)
+    except SchemaError as e:
+        raise DataError(str(e)) from None
+    try:
+        (selected,) = con.execute(
+            f"SELECT count(*) FROM samples WHERE {trainable_sql(selection, drop_zero, group_filter, cfg.seed)}"
+        ).fetchone() or (0,)
+        groups, equal = con.execute(
+            f"SELECT count(*), count(*) FILTER (NOT learns) FROM (SELECT group_id, coalesce(bool_or(advantage "
+            f"<> 0), false) AS learns FROM samples WHERE {selection.sql()} GROUP BY group_id)").fetchone() or (0, 0)
+    except duckdb.Error as e:
+        raise DataError(f"selection failed: {first_line(e)}") from None
+    finally:
+        con.close()
+    if selected:
+        return ""
+    if not groups:
+        return "no trainable samples in this iteration's episodes"
+    if equal == groups and drop_zero:
+        return f"every group had equal rewards ({groups} group{'s' * (groups != 1)})"
+    return f"group_filter = {cfg.group_filter} kept none of {groups} groups ({equal} with equal rewards)"
 
 
 @dataclass
@@ -98,13 +132,15 @@ class Position:
 class SampleSource:
     """The selected samples of one DuckDB file (read-only: several ranks may open it at once)."""
 
-    def __init__(self, db: str, where: str = "", shuffle: bool = True, seed: int = 0, tree: bool = False,
+    def __init__(self, db: str, where: str | Selection = "", shuffle: bool = True, seed: int = 0, tree: bool = False,
                  drop_zero_advantage: bool = False, group_filter: str = "none") -> None:
+        """`where`: SQL on `samples` (`--where`), or a `Selection`."""
         try:
-            self.con = duckdb.connect(db, read_only=True)
-        except duckdb.Error as e:
-            raise DataError(f"cannot open DuckDB file {db}: {first_line(e)}") from None
-        self.filter = selection_filter(where, drop_zero_advantage, group_filter, seed)
+            self.con = connect(db)
+        except SchemaError as e:
+            raise DataError(str(e)) from None
+        selection = where if isinstance(where, Selection) else Selection(where)
+        self.filter = trainable_sql(selection, drop_zero_advantage, group_filter, seed)
         left_out = [(drop_zero_advantage, "samples whose advantage is 0 (every group with equal rewards; "
                                           "keep_zero_advantage = true keeps them)"),
                     (group_filter != "none", f"the groups group_filter = {group_filter} drops")]
@@ -115,7 +151,7 @@ class SampleSource:
         except duckdb.Error as e:
             self.con.close()
             raise DataError(f"selection failed: {first_line(e)} (--where is SQL on the samples table: "
-                            f"{where!r})") from None
+                            f"{selection.where!r})") from None
         self.side = self.con.cursor()  # images are read while `samples` streams from the main connection
 
     def __enter__(self) -> SampleSource:
@@ -329,19 +365,11 @@ def count_steps(lengths: Iterator[int], step_tokens: int) -> int:
     return steps + (1 if tokens else 0)
 
 
-def _lists(column: pa.ListArray, dtype: type) -> list[np.ndarray | None]:
-    """Split an Arrow list column into numpy arrays without a Python loop over elements."""
-    values = column.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-    offsets = column.offsets.to_numpy()
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
-    return [values[offsets[i]:offsets[i + 1]] if valid[i] else None for i in range(len(column))]
-
-
 def _to_samples(batch: pa.RecordBatch) -> Iterator[Sample]:
     cols = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
-    ids = _lists(cols["input_ids"], np.int64)
-    masks = _lists(cols["loss_mask"], np.uint8)
-    logprobs = _lists(cols["behaviour_logprobs"], np.float32)
+    ids = list_arrays(cols["input_ids"], np.int64)
+    masks = list_arrays(cols["loss_mask"], np.uint8)
+    logprobs = list_arrays(cols["behaviour_logprobs"], np.float32)
     sample_ids = cols["sample_id"].to_pylist()
     episode_ids = cols["episode_id"].to_pylist()
     advantages = cols["advantage"].to_pylist()
@@ -349,9 +377,10 @@ def _to_samples(batch: pa.RecordBatch) -> Iterator[Sample]:
     weights = cols["weight"].to_pylist()
     processors = cols["processor"].to_pylist()
     for i, sid in enumerate(sample_ids):
-        input_ids, loss_mask = ids[i], masks[i]
-        assert input_ids is not None and loss_mask is not None  # NOT NULL in the schema
-        mask = loss_mask.astype(bool)
+        input_ids, stored_mask = ids[i], masks[i]
+        if input_ids is None or stored_mask is None:  # NOT NULL in the schema: a database written by hand
+            raise DataError(f"sample {sid} has no input_ids or loss_mask. Re-run `openforge reconstruct`.")
+        mask = stored_mask.astype(bool)
         mask[0] = False  # the first token has no prediction; in a packed row it would see the previous sample
         yield Sample(sid, episode_ids[i], input_ids, mask, logprobs[i],
                      advantages[i] if advantages[i] is not None else 0.0, rewards[i], weights[i], processors[i])

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from openforge.samples import Selection as SampleSelection
 from openforge.trainer import checkpoint
 from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.attention import choose_attention, to_device
 from openforge.trainer.config import TrainConfig
-from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps
+from openforge.trainer.data import DataError, Position, Sample, SampleSource, count_steps, training_filter
 from openforge.trainer.dist import Compute, all_reduce_max, all_reduce_max_, all_reduce_sum_, compute_init, destroy
 from openforge.trainer.loss import logit_positions, row_loss, target_logprobs
 from openforge.trainer.model import check_vocab, load_model, prepare_model, vl_config
@@ -131,12 +132,12 @@ class Selection:
     images: bool
 
     @classmethod
-    def open(cls, cfg: TrainConfig, where: str, model_dir: str) -> Selection:
+    def open(cls, cfg: TrainConfig, where: str | SampleSelection, model_dir: str) -> Selection:
         """Refuse, naming samples, a selection the run could not train on to its end (`SampleSource.check`)."""
         ppo = cfg.objective == "ppo"
+        drop_zero_advantage, group_filter = training_filter(cfg)
         source = SampleSource(cfg.db, where, cfg.shuffle, cfg.seed, bool(cfg.tree),
-                              drop_zero_advantage=ppo and not cfg.keep_zero_advantage,
-                              group_filter=cfg.group_filter if ppo else "none")
+                              drop_zero_advantage=drop_zero_advantage, group_filter=group_filter)
         try:
             recompute = ppo and cfg.old_policy == "recompute"
             n = source.check(cfg.row_tokens, check_vocab(model_dir, source.vocab_sizes()),
@@ -208,7 +209,7 @@ class Trainer:
             Path(cfg.out).mkdir(parents=True, exist_ok=True)
             keep_metrics_until(self.metrics_path, self.step)
 
-    def select(self, where: str) -> Selection:
+    def select(self, where: str | SampleSelection) -> Selection:
         return Selection.open(self.cfg, where, self.model_dir)
 
     def fit(self, selection: Selection, end: int, restart: bool = True,

@@ -16,11 +16,12 @@ def stats_command(
 
     if not db.is_file():
         fail(f"No database at {db}", hint="write one with `openforge reconstruct ... --db FILE`")
-    from openforge.reconstruct.stats import StatsError, collect
+    from openforge.reconstruct.stats import collect
+    from openforge.samples import SchemaError
 
     try:
         figures = collect(db)
-    except StatsError as e:
+    except SchemaError as e:
         fail(str(e))
     table = Table(title=f"OpenForge stats: {db}", show_header=False)
     for key, value in figures.items():

@@ -159,8 +159,8 @@ def write_samples(db: Path, samples: list[dict[str, Any]], tokenizer_name: str =
         con.execute(
             "INSERT INTO samples (sample_id, episode_id, run_id, task_id, tokenizer, vocab_size, token_source, "
             "input_ids, loss_mask, behaviour_logprobs, n_tokens, n_trainable, n_calls, reward, advantage, weight, "
-            "created_at, role, toolchain, policy_version) VALUES "
-            "(?, ?, 'run1', 'task1', ?, ?, 'engine', ?, ?, ?, ?, ?, 1, ?, ?, ?, ?, 'agent', 'test', 0)",
+            "created_at, role, toolchain, policy_version, group_id) VALUES (?, ?, 'run1', 'task1', ?, ?, 'engine', "
+            "?, ?, ?, ?, ?, 1, ?, ?, ?, ?, 'agent', 'test', 0, 'task:task1@v0')",
             [s["sample_id"], s["episode_id"], tokenizer_name, vocab_size, s["input_ids"], s["loss_mask"],
              s["behaviour_logprobs"], s.get("n_tokens", len(s["input_ids"])),
              s.get("n_trainable", int(sum(s["loss_mask"][1:]))), s["reward"],

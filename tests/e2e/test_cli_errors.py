@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from openforge.cli import app
-from openforge.reconstruct.store import SCHEMA_VERSION
+from openforge.samples import SCHEMA_VERSION
 from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 
 

@@ -68,7 +68,7 @@ def _iteration(n: int, zero_variance: float | None, train: dict[str, float] | No
 def test_rl_run_notebook_reads_the_documented_layout(tmp_path: Path) -> None:
     """The notebook against a hand-built `openforge rl --out` directory: two toolchains, a second iteration
     that trained nothing (train null, no steps), an episode without a reward and one without calls."""
-    import duckdb
+    from openforge.reconstruct import store
 
     metrics = ["loss", "clip_frac", "is_ratio_mean", "is_ratio_max", "kl", "entropy", "grad_norm",
                "engine_gap_mean", "engine_logprob_share"]
@@ -78,12 +78,13 @@ def test_rl_run_notebook_reads_the_documented_layout(tmp_path: Path) -> None:
     (tmp_path / "rl.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
-    with duckdb.connect(str(tmp_path / "rl.duckdb")) as con:
-        con.execute("CREATE TABLE calls (episode_id VARCHAR, completion_tokens INTEGER)")
-        con.execute("CREATE TABLE rl_episodes (iteration INTEGER, episode_id VARCHAR, reward DOUBLE)")
-        con.execute("INSERT INTO calls VALUES ('e0', 10), ('e0', 30), ('e1', 5), ('e2', 50), ('e3', 7)")
-        con.execute("INSERT INTO rl_episodes VALUES (0, 'e0', 1.0), (0, 'e1', 0.0), (1, 'e2', 0.5), "
-                    "(1, 'e3', NULL), (1, 'e4', 0.0)")
+    with store.connect(tmp_path / "rl.duckdb") as con:
+        con.executemany("INSERT INTO calls (call_id, file_id, episode_id, protocol, streamed, token_source, "
+                        "completion_tokens) VALUES (?, 'f', ?, 'chat', false, 'engine', ?)",
+                        [(f"c{i}", e, n) for i, (e, n) in enumerate([("e0", 10), ("e0", 30), ("e1", 5), ("e2", 50),
+                                                                      ("e3", 7)])])
+        for i, rows in enumerate([[("e0", 1.0), ("e1", 0.0)], [("e2", 0.5), ("e3", None), ("e4", 0.0)]]):
+            store.record_rl_iteration(con, i, [(e, "t", "tool-a", 0, "ok", r) for e, r in rows], [])
 
     text = execute_rl_notebook(tmp_path)
     assert f"{tmp_path}: run rl-test, 2 iterations, 8 episodes, 2 optimizer steps" in text

@@ -16,6 +16,7 @@ from openforge.reconstruct import Summary, answer_json, calls, reconstruct, stor
 from openforge.reconstruct.answer_json import RawIds
 from openforge.reconstruct.ingest import Ingest
 from openforge.reconstruct.prefixes import PrefixSplitter, expand, int32
+from openforge.samples import SCHEMA_VERSION
 from openforge.testing.reconstruct_flows import FlowFactory, db_rows
 
 SAMPLES = "SELECT * EXCLUDE (created_at) FROM samples ORDER BY sample_id"
@@ -187,11 +188,13 @@ def test_run_dying_mid_file_resumes_after_the_last_committed_batch(tmp_path, ret
 def old_database(db: Path, version: str) -> None:
     """Turn a database this reconstruct wrote into one of an older schema version (its columns and tables)."""
     con = duckdb.connect(str(db))
-    for table in ("sample_images", "call_images", "images"):  # added in 6
+    for table in ("episodes", "samples"):  # added in 7
+        con.execute(f"ALTER TABLE {table} DROP COLUMN group_id")
+    for table in ("sample_images", "call_images", "images") if version != "6" else ():  # added in 6
         con.execute(f"DROP TABLE {table}")
-    for column in ("n_images", "processor"):
+    for column in ("n_images", "processor") if version != "6" else ():
         con.execute(f"ALTER TABLE samples DROP COLUMN {column}")
-    for table in ("calls", "samples") if version != "5" else ():  # added in 5
+    for table in ("calls", "samples") if version not in ("5", "6") else ():  # added in 5
         con.execute(f"ALTER TABLE {table} DROP COLUMN policy_version")
     if version in ("1", "2", "3"):
         con.execute("ALTER TABLE call_tokens ADD COLUMN tools JSON")  # never written since 1
@@ -208,7 +211,7 @@ def old_database(db: Path, version: str) -> None:
     con.close()
 
 
-@pytest.mark.parametrize("version", ["2", "3", "4", "5"])
+@pytest.mark.parametrize("version", ["2", "3", "4", "5", "6"])
 def test_older_schema_databases_are_migrated(tmp_path, retok, version):
     """An older database takes new calls of its episodes and gives the samples a fresh one gives; its calls
     read before have no policy version (their flow files predate it here, as they would there)."""
@@ -225,7 +228,7 @@ def test_older_schema_databases_are_migrated(tmp_path, retok, version):
     run(old, tmp_path / "second", retok)
     for flows in ("first", "second"):
         run(tmp_path / "fresh.duckdb", tmp_path / flows, retok)
-    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": store.SCHEMA_VERSION}]
+    assert db_rows(old, "SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": SCHEMA_VERSION}]
     tables = "SELECT table_name, column_name FROM information_schema.columns ORDER BY ALL"
     assert db_rows(old, tables) == db_rows(tmp_path / "fresh.duckdb", tables)
     a, b = (json.dumps(db_rows(tmp_path / n, SAMPLES), default=str) for n in ("old.duckdb", "fresh.duckdb"))
@@ -252,8 +255,9 @@ def test_database_too_old_to_migrate_is_refused_with_a_rebuild_message(tmp_path,
 
 def test_every_column_is_written(tmp_path, retok):
     """No column or table of the schema is left NULL by every run: calls, a reward and a damaged record fill
-    them all, but `call_tokens.messages`, which holds JSON null only for a call that sent a prompt text, and
-    the images' tables and columns (calls with images: test_reconstruct_vision writes them all)."""
+    them all, but `call_tokens.messages`, which holds JSON null only for a call that sent a prompt text, the
+    images' tables and columns (calls with images: test_reconstruct_vision writes them all) and the tables
+    `openforge rl` writes (test_samples)."""
     f = FlowFactory(tmp_path / "flows", seed=4)
     f.policy_version = 0
     f.tool_loop("ep", turns=2, engine_ids=True)
@@ -265,8 +269,9 @@ def test_every_column_is_written(tmp_path, retok):
     columns = db_rows(db, "SELECT table_name t, column_name c FROM information_schema.columns ORDER BY ALL")
     unwritten = [f"{r['t']}.{r['c']}" for r in columns
                  if db_rows(db, f'SELECT count("{r["c"]}") n FROM "{r["t"]}"')[0]["n"] == 0]
-    vision = [c for c in unwritten if c.split(".")[0] in ("call_images", "images", "sample_images")]
-    assert [c for c in unwritten if c not in vision] == ["call_tokens.messages", "samples.processor"]
+    elsewhere = [c for c in unwritten if c.split(".")[0] in ("call_images", "images", "sample_images", "rl_episodes",
+                                                             "rl_reward_mismatches")]
+    assert [c for c in unwritten if c not in elsewhere] == ["call_tokens.messages", "samples.processor"]
 
 
 def test_flow_file_of_another_version_is_a_corrupt_file_not_an_unreadable_one(tmp_path, retok):

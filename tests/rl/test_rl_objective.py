@@ -35,7 +35,8 @@ def samples_db(path: Path, groups: dict[str, list[float | None]], advantage: flo
             tasks.append((task, f"{task}-{k}"))
     write_samples(path, rows)
     con = duckdb.connect(str(path))
-    con.executemany("UPDATE samples SET task_id = ? WHERE sample_id = ?", tasks)
+    con.executemany("UPDATE samples SET task_id = ?, group_id = ? WHERE sample_id = ?",
+                    [(task, f"task:{task}@v0", sid) for task, sid in tasks])
     con.close()
     return path
 

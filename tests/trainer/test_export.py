@@ -258,7 +258,7 @@ def test_text_samples_export_without_images_and_an_old_schema_is_refused(built: 
     shutil.copy(db, old)
     with duckdb.connect(str(old)) as con:
         con.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
-    with pytest.raises(ExportError, match="schema version 5, this export reads 6: run `openforge reconstruct`"):
+    with pytest.raises(ExportError, match="schema version 5, this OpenForge reads 7: run `openforge reconstruct FLOWS"):
         export(old, "parquet", tmp_path / "old.parquet")
 
 
