@@ -75,7 +75,7 @@ test-vllm:
 	$(BIN)/python -m pytest -q -m vllm
 
 test-addon-312:
-	$(VENV312)/bin/python -m pytest -q -m addon -p no:cacheprovider
+	$(VENV312)/bin/python -m pytest -q -m addon -p no:cacheprovider tests/proxy tests/protocols
 
 bench: setup setup-litellm
 	$(BIN)/python bench/proxy_overhead.py

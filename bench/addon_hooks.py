@@ -39,7 +39,7 @@ from mitmproxy.test import taddons, tflow  # noqa: E402
 from bench.proxy_overhead import ASK_IDS, LONG_MESSAGES, MESSAGES  # noqa: E402
 from openforge.addons import options  # noqa: E402
 from openforge.addons.proxy import OpenForge  # noqa: E402
-from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
+from openforge.testing.scripted_engine import ScriptedEngine  # noqa: E402
 
 HOOKS = ("request", "responseheaders", "response", "record")
 

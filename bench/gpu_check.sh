@@ -20,13 +20,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZER
 
 if [ $DRY = 1 ]; then  # tiny sizes, CPU, one thread: the plumbing, not the figures
   export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1
-  TESTS=(tests/test_trainer_precision.py -k "unknown or falls_back")
+  TESTS=(tests/trainer/test_trainer_precision.py -k "unknown or falls_back")
   BENCH=(--hidden 64 --layers 2 --row-tokens 256 --samples 8 --episodes 3 --repeats 1 --threads 1)
   SHAPES=(0.6b)
   TRAIN=(--shape tiny --samples 16)
   T_TESTS=60 T_BENCH=60 T_TRAIN=60
 else
-  TESTS=(tests/test_trainer_*.py)
+  TESTS=(tests/trainer/test_trainer_*.py)
   BENCH=(--row-tokens 8192 --samples 48 --episodes 24 --repeats 2 --precision "${PRECISION:-bf16}")
   SHAPES=(0.6b 1.7b 4b)
   TRAIN=(--shape 0.6b --samples 192)

@@ -96,8 +96,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=8, help="calls held per round")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    from tests.conftest import Proxy
-    from tests.support.scripted_engine import ScriptedEngine
+    from openforge.testing.proxy import Proxy
+    from openforge.testing.scripted_engine import ScriptedEngine
 
     os.environ["PYTHONPATH"] = str(ROOT)
     with tempfile.TemporaryDirectory() as d, ScriptedEngine(record=False) as engine:

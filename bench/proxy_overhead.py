@@ -22,7 +22,7 @@ for); proxy RSS. Then which engine fields (token ids, logprobs) reach the client
 through each path. Last, each target of issue 2 with a verdict, beside the best an addon that captures
 token ids and logprobs could reach on this machine (bare mitmdump carrying them).
 
-The engine is tests/support/scripted_engine.py in its own process; the load generator is a minimal asyncio
+The engine is openforge/testing/scripted_engine.py in its own process; the load generator is a minimal asyncio
 HTTP/1.1 client with keep-alive connections (cheaper than httpx, so it disturbs the measurement less).
 On a machine with 2 or more CPUs the proxies run on the last CPU and the engine and load generator on the
 others (`--no-pin` to share them all): in production the engine has its own machine, and here its Python
@@ -92,7 +92,7 @@ def _on_proxy_cpus() -> None:
 # -- processes -------------------------------------------------------------------------------------------------
 def serve_engine(chunk_delay: float) -> None:
     """Child-process mode: run the scripted engine until stdin closes."""
-    from tests.support.scripted_engine import ScriptedEngine
+    from openforge.testing.scripted_engine import ScriptedEngine
 
     with ScriptedEngine(chunk_delay=chunk_delay, record=False, stamp=True) as eng:
         print(eng.url, flush=True)

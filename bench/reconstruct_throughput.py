@@ -47,7 +47,7 @@ def tool_output(turn: int) -> str:
 
 
 def make_corpus(directory: Path, episodes: int, turns: int, engine_ids: bool) -> None:
-    from tests.support.reconstruct_flows import FlowFactory
+    from openforge.testing.reconstruct_flows import FlowFactory
 
     f, system = FlowFactory(directory, seed=episodes), system_prompt()
     for n in range(episodes):
@@ -61,7 +61,7 @@ def texts_of(directory: Path) -> list[str]:
     from openforge.addons.flowfile import expand_paths, open_flow_file
     from openforge.reconstruct.calls import parse_record
     from openforge.reconstruct.tokenize import template_message
-    from tests.support.reconstruct_flows import qwen_tokenizer
+    from openforge.testing.reconstruct_flows import qwen_tokenizer
 
     tok, out = qwen_tokenizer(), []
     for path in expand_paths([directory]):
@@ -132,7 +132,7 @@ def stored_tokens(db: Path) -> int:
 
 
 def measure(kind: str, corpora: Path, root: Path = ROOT) -> dict[str, Any]:
-    from tests.support.reconstruct_flows import qwen_path
+    from openforge.testing.reconstruct_flows import qwen_path
 
     out = subprocess.run([sys.executable, __file__, "--child", kind, "--corpora", str(corpora),
                           "--tokenizer", qwen_path(), "--root", str(root)],

@@ -52,8 +52,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     args = parser.parse_args()
     from openforge.rollout.adapters import resolve
-    from tests.conftest import Proxy
-    from tests.support.scripted_engine import ScriptedEngine
+    from openforge.testing.proxy import Proxy
+    from openforge.testing.scripted_engine import ScriptedEngine
 
     os.environ["OPENFORGE_REWARD_TOKEN"] = REWARD
     os.environ["PYTHONPATH"] = str(ROOT)

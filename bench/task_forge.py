@@ -7,7 +7,7 @@ rejections per reason. No model is involved, so no tokens.
 
 `synth`: `openforge tasks synth`'s pipeline (openforge.taskforge.synth)
 through a real mitmdump + addon in front of the scripted engine that plays the synthesis model and the
-validator (tests/support/forge_engine.py: per three candidates, one repaired after a failed check, one
+validator (openforge/testing/forge_engine.py: per three candidates, one repaired after a failed check, one
 repaired after the validator, one that only answers in prose and is rejected). Reports candidates per
 minute, acceptance rate, and per accepted task: the run's seconds per step, and calls, tokens and model
 seconds per stage and per role as the proxy's flow records hold them; with --prices, dollars per task
@@ -82,8 +82,8 @@ def synth_figures(n: int, sandbox: str, prices_path: Path | None) -> dict[str, A
     from openforge.taskforge import cost
     from openforge.taskforge.check import check_task
     from openforge.taskforge.synth import Model, Synth
-    from tests.conftest import Proxy
-    from tests.support.forge_engine import SCRIPT, ForgeEngine
+    from openforge.testing.forge_engine import SCRIPT, ForgeEngine
+    from openforge.testing.proxy import Proxy
 
     titles = list(SCRIPT)
     script = {f"{titles[i % len(titles)]} #{i + 1}": SCRIPT[titles[i % len(titles)]] for i in range(n)}

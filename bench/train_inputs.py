@@ -16,8 +16,8 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from bench.trainer_throughput import QWEN3_SHAPES, qwen3_config
-from tests.support.reconstruct_flows import qwen_path
-from tests.support.trainer_samples import make_samples, qwen_tokenizer, tiny_config, write_samples
+from openforge.testing.reconstruct_flows import qwen_path
+from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, tiny_config, write_samples
 
 
 def main() -> None:

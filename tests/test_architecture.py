@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from openforge.testing import ROOT
 
 FORBIDDEN = {
     # the proxy runs beside any mitmproxy without the training stack
@@ -264,7 +264,10 @@ def test_every_package_is_installed() -> None:
     """pyproject.toml lists packages by name: a package folder missing there is missing from the wheel."""
     import tomllib
 
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    data = {ROOT.joinpath(*package.split("."), pattern.split("/")[0])  # folders shipped as package data
+            for package, patterns in setuptools["package-data"].items() for pattern in patterns if "/" in pattern}
     found = {".".join(Path(d).relative_to(ROOT).parts) for d, _, files in os.walk(ROOT / "openforge", followlinks=True)
-             if "__init__.py" in files}
+             if "__init__.py" in files and not any(Path(d).is_relative_to(folder) for folder in data)}
     assert found == listed

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from openforge.protocols.control import ControlClient  # noqa: E402
-from tests.conftest import Proxy  # noqa: E402
-from tests.support.reconstruct_flows import qwen_tokenizer  # noqa: E402
-from tests.support.toolchain_engine import ToolchainEngine  # noqa: E402
+from openforge.testing.proxy import Proxy  # noqa: E402
+from openforge.testing.reconstruct_flows import qwen_tokenizer  # noqa: E402
+from openforge.testing.toolchain_engine import ToolchainEngine  # noqa: E402
 from toolchains import run as toolchains  # noqa: E402
 
 SCRATCH = Path("/tmp/openforge-trace")
@@ -95,7 +95,7 @@ def main() -> None:
     manifest_path = ROOT / "traces" / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"toolchains": {}}
     manifest["versions"] = versions()
-    manifest["engine"] = "tests/support/toolchain_engine.py (scripted, vLLM profile, Qwen3 chat template)"
+    manifest["engine"] = "openforge/testing/toolchain_engine.py (scripted, vLLM profile, Qwen3 chat template)"
     manifest["task"] = TASK
     for name in names:
         print(f"capturing {name} ...", flush=True)

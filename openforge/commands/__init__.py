@@ -4,7 +4,7 @@ with one subcommand) and imports heavy things lazily.
 Every command reports a user error the same way, through `fail`: one `error: ...` line (and a `hint: ...`
 line where one helps) on stderr, exit code USAGE (2) for bad usage or input, FAILED (1) for a run that
 failed; never a traceback. Choice options are `enum.StrEnum`s, so typer lists them in --help and
-refuses anything else with its own usage message (also exit 2); tests/test_first_hour.py checks that each
+refuses anything else with its own usage message (also exit 2); tests/e2e/test_first_hour.py checks that each
 offers exactly what the module it feeds accepts.
 """
 
