@@ -47,6 +47,11 @@ def run_loop(run: RLRun, console: Console) -> list[dict[str, Any]]:
         raise typer.Exit(130) from None
 
 
+def setting(flag: str, key: str, help: str, default: Any = None) -> Any:
+    """A named option that sets one rl.toml field (`key`); its help starts with the field it sets."""
+    return typer.Option(default, flag, help=f"{key}: {help}" if help[0] != "(" else f"{key} {help}")
+
+
 def rl(
     out: Path = typer.Option(..., "--out", help="The run's directory: rl.jsonl, rl.png, flows, DuckDB, episodes, "
                                                 "checkpoints, logs (docs/rl.md)."),
@@ -55,31 +60,29 @@ def rl(
                                                               "(docs/rl.md has every field)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out at the stage it stopped in "
                                                         "(its own rl.toml; --set and the options below still apply)."),
-    iterations: int | None = typer.Option(None, "--iterations", help="loop.iterations: rollout -> train -> "
-                                                                     "publish rounds (default 3)."),
-    engine: Engine | None = typer.Option(None, "--engine", help="engine.backend: llamacpp (embedded; default) or "
-                                                                "vllm (`make setup-vllm`)."),
-    tasks: Path | None = typer.Option(None, "--tasks", help="rollout.tasks: task file (docs/rollouts.md). Default: "
-                                                            "the example arithmetic tasks for tool-agent."),
-    toolchain: list[str] = typer.Option([], "--toolchain", help="rollout.toolchains: a built-in adapter or "
-                                                                "custom:FILE.toml; repeat for several."),
-    attempts: int | None = typer.Option(None, "--attempts", help="rollout.attempts: per task and toolchain "
-                                                                 "(the GRPO group; default 4)."),
-    concurrency: int | None = typer.Option(None, "--concurrency", help="rollout.concurrency (default 2)."),
-    steps: int | None = typer.Option(None, "--steps", help="train.steps: optimizer steps per iteration "
-                                                           "(default 2; 0 = one pass over the iteration's samples)."),
-    lr: float | None = typer.Option(None, "--lr", help="train.lr (constant: train.min_lr_ratio = 1; default 1e-5)."),
-    window: int | None = typer.Option(None, "--window", help="loop.window: train on the last W iterations' "
-                                                             "samples (default 1: this iteration's)."),
-    no_sandbox: bool = typer.Option(False, "--no-sandbox", help="rollout.sandbox = none: agents run as plain "
-                                                                "processes of your user (prints what is then not "
-                                                                "protected; docs/rollouts.md, Sandbox)."),
-    eval_tasks: Path | None = typer.Option(None, "--eval-tasks", help="eval.tasks: held-out tasks evaluated every "
-                                           "eval.every policy versions, n samples and greedy (docs/evaluation.md); "
-                                           "or --set eval.split=0.2 to hold out a share of --tasks."),
-    tracker: list[str] = typer.Option([], "--tracker", help="tracking.trackers: tensorboard, wandb (offline) or "
-                                      "mlflow (local files), under DIR/tracking/; repeat for several "
-                                      "(docs/tracking.md)."),
+    iterations: int | None = setting("--iterations", "loop.iterations", "rollout -> train -> publish rounds "
+                                     "(default 3)."),
+    engine: Engine | None = setting("--engine", "engine.backend", "llamacpp (embedded; default) or vllm "
+                                    "(`make setup-vllm`)."),
+    tasks: Path | None = setting("--tasks", "rollout.tasks", "task file (docs/rollouts.md). Default: the example "
+                                 "arithmetic tasks for tool-agent."),
+    toolchain: list[str] = setting("--toolchain", "rollout.toolchains", "a built-in adapter or custom:FILE.toml; "
+                                   "repeat for several.", default=[]),
+    attempts: int | None = setting("--attempts", "rollout.attempts", "per task and toolchain (the GRPO group; "
+                                   "default 4)."),
+    concurrency: int | None = setting("--concurrency", "rollout.concurrency", "(default 2)."),
+    steps: int | None = setting("--steps", "train.steps", "optimizer steps per iteration (default 2; 0 = one pass "
+                                "over the iteration's samples)."),
+    lr: float | None = setting("--lr", "train.lr", "(constant: train.min_lr_ratio = 1; default 1e-5)."),
+    window: int | None = setting("--window", "loop.window", "train on the last W iterations' samples (default 1: "
+                                 "this iteration's)."),
+    no_sandbox: bool = setting("--no-sandbox", "rollout.sandbox = none", "agents run as plain processes of your "
+                               "user (prints what is then not protected; docs/rollouts.md, Sandbox).", default=False),
+    eval_tasks: Path | None = setting("--eval-tasks", "eval.tasks", "held-out tasks evaluated every eval.every "
+                                      "policy versions, n samples and greedy (docs/evaluation.md); or --set "
+                                      "eval.split=0.2 to hold out a share of --tasks."),
+    tracker: list[str] = setting("--tracker", "tracking.trackers", "tensorboard, wandb (offline) or mlflow (local "
+                                 "files), under DIR/tracking/; repeat for several (docs/tracking.md).", default=[]),
     sets: list[str] = typer.Option([], "--set", help="Any field as section.key=value, e.g. --set proxy.max_tokens=256 "
                                                      "--set train.kl_coef=0.01; repeat for several."),
 ) -> None:
