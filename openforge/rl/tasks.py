@@ -4,9 +4,6 @@ before anything starts."""
 
 from __future__ import annotations
 
-import dataclasses
-import shlex
-import sys
 from pathlib import Path
 
 from openforge.rl.config import RLConfig
@@ -15,15 +12,13 @@ from openforge.rl.evaluation import split_tasks
 from openforge.rollout.spec import Task
 
 DEFAULT_TASKS = Path(__file__).with_name("default_tasks.jsonl")
-PYTHON = "python "  # how a default task's verifier names the interpreter: the one running the loop
 
 
-def default_tasks(python: str = sys.executable) -> list[Task]:
-    """The default task file's tasks, their verifiers run by `python` (the interpreter with OpenForge)."""
+def default_tasks() -> list[Task]:
+    """The default task file's tasks (their verifiers run `$OPENFORGE_PYTHON`, the episode's interpreter)."""
     from openforge.rollout.tasks import read_tasks
 
-    return [dataclasses.replace(t, verify=shlex.quote(python) + " " + t.verify.removeprefix(PYTHON))
-            if t.verify.startswith(PYTHON) else t for t in read_tasks(DEFAULT_TASKS)]
+    return read_tasks(DEFAULT_TASKS)
 
 
 def check_tasks(cfg: RLConfig, out: Path) -> tuple[list[Task], list[Task]]:

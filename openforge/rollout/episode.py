@@ -107,12 +107,15 @@ def base_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
 
 def verifier_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
     """`base_env` where nothing the agent wrote in the workspace can stand in for a module or program: no
-    current directory on Python's path (PYTHONSAFEPATH), only absolute PATH and PYTHONPATH entries."""
+    current directory on Python's path (PYTHONSAFEPATH), only absolute PATH and PYTHONPATH entries; and
+    `OPENFORGE_PYTHON`, the interpreter that has OpenForge (a task's `verify` may run a Python verifier with
+    it wherever the episode runs)."""
     env = base_env(home, parent)
     for var in ("PATH", "PYTHONPATH"):
         if var in env:
             env[var] = os.pathsep.join(p for p in env[var].split(os.pathsep) if os.path.isabs(p))
     env["PYTHONSAFEPATH"] = "1"
+    env["OPENFORGE_PYTHON"] = sys.executable
     return env
 
 
