@@ -60,7 +60,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     drift_retokenization  INTEGER NOT NULL DEFAULT 0,
     drift_client_rewrite  INTEGER NOT NULL DEFAULT 0,
     drift_other           INTEGER NOT NULL DEFAULT 0,
-    group_id              VARCHAR              -- the GRPO group its advantage compares it in (rewards.GROUP_IDS_SQL)
+    group_id              VARCHAR              -- the GRPO group its advantage compares it in (rewards.group_ids_sql)
 );
 
 -- One row per root-to-leaf chain of an episode's trajectory tree: what the trainer consumes.
