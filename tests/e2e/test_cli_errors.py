@@ -40,6 +40,20 @@ def test_train_with_a_bad_where_is_one_error(db: Path, tiny_qwen_dir: Path, tmp_
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("version", ["6", "99"])
+def test_train_on_another_schema_version_is_one_error(db: Path, tiny_qwen_dir: Path, tmp_path: Path,
+                                                      version: str) -> None:
+    """The trainer reads one schema version: an older database (even one whose columns it could read) or a
+    newer one is refused with what to run, before any step."""
+    old = tmp_path / "old.duckdb"
+    old.write_bytes(db.read_bytes())
+    with duckdb.connect(str(old)) as con:
+        con.execute(f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
+    err = one_error(["train", "--db", str(old), "--model", str(tiny_qwen_dir), "--out", str(tmp_path / "out")])
+    assert f"schema version {version}" in err and f"reads {SCHEMA_VERSION}" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def stats(db: Path) -> Result:
     return CliRunner().invoke(app, ["stats", "--db", str(db)])
 
