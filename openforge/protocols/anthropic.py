@@ -331,9 +331,9 @@ class Stream(chat.ChatStream):
 
 def count_tokens_request(body: dict) -> dict:
     """The Chat Completions body whose `usage.prompt_tokens` answers a count_tokens request."""
-    chat = request(body, Drops())
-    chat["max_tokens"] = 1
-    return chat
+    counting = request(body, Drops())
+    counting["max_tokens"] = 1
+    return counting
 
 
 def count_tokens_answer(chat_response: dict) -> dict:

@@ -8,6 +8,7 @@ the stdlib-only episode entrypoint can use it.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -140,8 +141,9 @@ class ControlClient:
     client token for the read-only endpoints; None for a proxy without tokens).
 
     Never through an HTTP(S)_PROXY of the environment: the proxy's URL is where these requests go. A request
-    that gets no answer (connection refused or reset, a timeout) is tried up to `tries` times; an answer,
-    even an error, is final."""
+    that gets no answer is tried up to `tries` times: a GET whatever the reason (refused, reset, a timeout),
+    a POST or PUT only when the connection was refused, so nothing reached the proxy (a reward it recorded
+    before a timeout is never posted twice); an answer, even an error, is final."""
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 30.0, tries: int = 3,
                  backoff: float = 0.5) -> None:
@@ -166,9 +168,12 @@ class ControlClient:
                     status, text = answer.status, answer.read()
             except urllib.error.HTTPError as e:
                 status, text = e.code, e.read()
-            except (urllib.error.URLError, OSError) as e:
-                why = str(getattr(e, "reason", e))
-                continue
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                reason = getattr(e, "reason", e)
+                why = str(reason) or type(reason).__name__
+                if method == "GET" or isinstance(reason, ConnectionRefusedError):
+                    continue
+                break
             return _answer(method, url, status, text)
         raise ControlError(method, url, None, why)
 

@@ -131,6 +131,50 @@ def test_no_answer_is_tried_again_a_bounded_number_of_times() -> None:
     assert "no answer" in str(e.value)
 
 
+class Silent(ThreadingHTTPServer):
+    """Takes each request and never answers: what a proxy that recorded a reward and then stalled looks like."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), SilentHandler)
+        self.requests = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class SilentHandler(BaseHTTPRequestHandler):
+    server: Silent
+
+    def _take(self) -> None:
+        self.server.requests += 1
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        threading.Event().wait(2)
+
+    do_GET = do_POST = _take
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_post_that_reached_the_proxy_is_never_sent_twice() -> None:
+    """A reward the proxy took but did not answer in time may be recorded: posting it again could be
+    refused (reward_policy = first) or counted twice. A GET is safe to repeat."""
+    server = Silent()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = ControlClient(server.url, timeout=0.3, tries=3, backoff=0)
+        with pytest.raises(ControlError) as posted:
+            client.reward("ep1", 1.0)
+        assert server.requests == 1 and posted.value.status is None
+        with pytest.raises(ControlError):
+            client.status()
+        assert server.requests == 1 + 3
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_proxy_that_comes_up_late_is_reached(serve: Any) -> None:
     port = free_port()
     timer = threading.Timer(0.3, serve, args=[(200, {"ok": True})], kwargs={"port": port})
