@@ -13,9 +13,6 @@ from openforge.commands import FAILED, fail, one_command
 if TYPE_CHECKING:
     from openforge.reconstruct.summary import Summary
 
-if TYPE_CHECKING:
-    from openforge.reconstruct.summary import Summary
-
 
 class Advantage(StrEnum):
     """openforge.reconstruct.rewards.ADVANTAGES (not imported: `openforge --help` would load the package)."""

@@ -143,12 +143,16 @@ class RLRun(Rollouts, Training, Report):
         at its train stage reaches the trainer, which reads only this version, before reconstruct would)."""
         if not self.db.exists():
             return
+        import duckdb
+
         from openforge.reconstruct import store
 
         try:
             store.connect(self.db).close()
-        except ValueError as e:
+        except ValueError as e:  # its message names the database and what to do
             raise RLError(str(e)) from None
+        except duckdb.Error as e:
+            raise RLError(f"{self.db}: {e}") from None
 
     def open_trackers(self) -> None:
         """The experiment trackers of [tracking] under DIR/tracking (docs/tracking.md); none: nothing."""
@@ -242,9 +246,10 @@ class RLRun(Rollouts, Training, Report):
         """The iteration's results into `rl_episodes`; each checked against the reward reconstruct stored
         for it: a mismatch goes to `rl_reward_mismatches` (left out of training) and gets a warning."""
         from openforge.reconstruct import store
+        from openforge.samples import connect
 
         results = self.rollout_of(i).results
-        con = store.connect(self.db)
+        con = connect(self.db, read_only=False)  # reconstruct has just applied the schema
         try:
             found = reward_mismatches(con, results)
             store.record_rl_iteration(con, i, [(x.episode, x.task_id, x.toolchain, x.attempt, x.status, x.reward)

@@ -87,7 +87,10 @@ class Training(RunBase):
         from openforge.trainer.data import nothing_to_learn
 
         where = self.selection(source)
-        s.skipped_train = nothing_to_learn(self.db, where, self.cfg.train_config("", "", "", where.sql()))
+        try:
+            s.skipped_train = nothing_to_learn(self.db, where, self.cfg.train_config("", "", ""))
+        except DataError as e:
+            raise RLError(f"training refused: {e}") from None
         if s.skipped_train:
             self.console.print(f"  [yellow]nothing to learn[/]: {s.skipped_train}; no optimizer step, the engine "
                                f"keeps serving the same weights")

@@ -106,6 +106,21 @@ def test_an_iteration_with_equal_rewards_everywhere_steps_nothing_and_publishes_
     assert "nothing to learn" in run.text.getvalue()
 
 
+def test_a_database_the_trainer_cannot_read_stops_the_train_stage_with_one_rl_error(tmp_path):
+    """What the train stage finds in the run's DuckDB is the loop's error (one line and --resume), never a
+    traceback: here a database of a schema version this OpenForge does not read."""
+    from openforge.rl.errors import RLError
+
+    run = Run(tmp_path / "run", [], fake=("rollout", "reconstruct"))
+    run.out.mkdir()
+    samples_db(run.db, {"t1": [1.0, 0.0]})
+    with store.connect(run.db) as con:
+        store.record_rl_iteration(con, 0, [("t1-e0", "t1", "tool-agent", 0, "ok", 1.0)], [])
+        con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(RLError, match="training refused: .*schema version 99"):
+        run.prepare_pass(0)
+
+
 # --- warmup --------------------------------------------------------------------------------------------------
 
 def test_the_loop_warms_up_by_default():
