@@ -7,6 +7,7 @@ silently corrupt the client's stream.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ class Exchange:
         "toolchain", "protocol", "model", "upstream_model", "engine_profile", "client_request",
         "upstream_request", "injected", "translated", "client_body", "chunks", "client_chunks", "streamed",
         "rewriter", "translator", "error", "path", "written", "on_end", "held", "policy_version",
-        "restream", "restream_usage",
+        "restream", "restream_usage", "prompt_ids", "engine_prompt_ids", "engine_prompt_error",
     )
 
     def __init__(self, id: str, seq: int, proxy: str, t_start: float, protocol: str, path: str) -> None:
@@ -61,6 +62,9 @@ class Exchange:
         self.policy_version = 0  # the proxy's policy version when the call went on to the engine
         self.restream = False  # sent unstreamed for the client's stream (`profiles.unstream`)
         self.restream_usage = False  # and the client asked for the usage event (`stream_options.include_usage`)
+        self.prompt_ids: asyncio.Future[list[int]] | None = None  # the engine's prompt ids, asked for (`prompt_ids`)
+        self.engine_prompt_ids: list[int] | None = None
+        self.engine_prompt_error: str | None = None  # why the engine gave none when asked
 
     # -- streaming -----------------------------------------------------------------------------------
     def on_chunk(self, data: bytes) -> bytes | list[bytes]:
@@ -105,6 +109,15 @@ class Exchange:
     # -- the record --------------------------------------------------------------------------------------
     def record(self, response: ResponseParts | None, client_response: ResponseParts | None,
                complete: bool, has_token_ids: bool) -> flowfile.ExchangeRecord:
+        record = self._record(response, client_response, complete, has_token_ids)
+        if self.engine_prompt_ids is not None:
+            record["engine_prompt_ids"] = self.engine_prompt_ids
+        if self.engine_prompt_error is not None:
+            record["engine_prompt_error"] = self.engine_prompt_error
+        return record
+
+    def _record(self, response: ResponseParts | None, client_response: ResponseParts | None,
+                complete: bool, has_token_ids: bool) -> flowfile.ExchangeRecord:
         return {
             "type": "exchange",
             "id": self.id,

@@ -104,9 +104,12 @@ class _ExchangeFields(TypedDict):
 
 class ExchangeRecord(_ExchangeFields, total=False):
     """One LLM call (or passthrough call) as the proxy saw it; `policy_version` is absent in files written
-    before it existed."""
+    before it existed; `engine_prompt_ids` / `engine_prompt_error` only where the proxy asked the engine for
+    the prompt's ids (llama.cpp)."""
 
     policy_version: int
+    engine_prompt_ids: list[int]
+    engine_prompt_error: str
 
 
 class _RewardPost(TypedDict):

@@ -66,6 +66,9 @@ SPECS = (
     OptionSpec("openforge_flow_dir", "flows", "Directory the flow files are written to."),
     OptionSpec("openforge_engine_profile", "auto", "How to ask the engine for token ids and logprobs: "
                "auto, vllm, sglang, llamacpp or generic (auto: detect from GET /v1/models)."),
+    OptionSpec("openforge_engine_prompt_ids", "true", "Ask an engine whose answers carry no prompt ids "
+               "(llama.cpp) for each Chat call's prompt ids (its /apply-template and /tokenize, beside the call) and "
+               "record them, so reconstruct uses the engine's ids instead of rendering the prompt (true/false)."),
     OptionSpec("openforge_models", "", "Model routing per role: inline JSON or the path of a .json/.toml file, "
                'e.g. {"agent": {"models": {"claude-*": "Qwen/Qwen3-8B"}, "sampling": {"temperature": 1.0}}}.'),
     OptionSpec("openforge_default_role", "agent", "Role of calls that name none (X-OpenForge-Role header or "
@@ -184,6 +187,7 @@ class Settings:
     flow_key: bytes | None = field(default=None, repr=False)
     policy_version: int = 0
     pause_timeout: float = 300.0
+    engine_prompt_ids: bool = True
     _by_role: dict[str, Settings] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -294,6 +298,7 @@ def parse(values: dict[str, str]) -> Settings:
         flow_key=flow_key,
         policy_version=_policy_version(get("openforge_policy_version")),
         pause_timeout=_pause_timeout(get("openforge_pause_timeout")),
+        engine_prompt_ids=_bool("openforge_engine_prompt_ids", get("openforge_engine_prompt_ids")),
     )
 
 

@@ -17,6 +17,7 @@ recorded request is what the engine rendered and reconstruct renders the same pr
 from __future__ import annotations
 
 import json
+import math
 import urllib.request
 from typing import Any
 
@@ -85,13 +86,72 @@ def normalize(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
-            parts = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(message, dict):
+                continue
+            parts = message.get("content")
             if isinstance(parts, list) and parts and all(
                     isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
                 message["content"] = "\n".join(p["text"] for p in parts)
                 if "messages" not in changed:
                     changed.append("messages")
+            if _llamacpp_tool_calls(message.get("tool_calls")) and "messages" not in changed:
+                changed.append("messages")
     return changed
+
+
+def _llamacpp_tool_calls(tool_calls: Any) -> bool:
+    """Each tool call's `arguments` written, in place, as llama.cpp renders them; whether any changed.
+
+    llama.cpp parses a tool call's arguments and its template renders the parsed value again (its own JSON
+    writer: `", "` and `": "` between items, characters as they are, no `\\u` escapes, floats as C's `%g`),
+    while a Hugging Face template renders the client's string as sent: `{"expression": "12 \\u00d7 7"}` or
+    `{"x":1.0}` reach the model as `{"expression": "12 × 7"}` and `{"x": 1}`. Written so, the string is
+    what both render. Arguments that are not a JSON object or array, or whose form would not survive
+    llama.cpp's parse and render again, stay as they are (the prompt check then shows any drift).
+    """
+    changed = False
+    for call in tool_calls if isinstance(tool_calls, list) else ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if not isinstance(args, str):
+            continue
+        rendered = _rendered_arguments(args)
+        if rendered is not None and rendered != args:
+            fn["arguments"] = rendered  # type: ignore[index]
+            changed = True
+    return changed
+
+
+def _rendered_arguments(args: str) -> str | None:
+    """`args` as llama.cpp renders them, when that is a fixed point of its parse and render; else None."""
+    try:
+        value = json.loads(args)
+        if not isinstance(value, dict | list):
+            return None
+        rendered = _minja_json(value)
+        return rendered if _minja_json(json.loads(rendered)) == rendered else None
+    except (ValueError, RecursionError):
+        return None
+
+
+_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1  # beyond these llama.cpp's JSON parser reads a double
+
+
+def _minja_json(value: Any) -> str:
+    """JSON text as llama.cpp's template engine (minja) writes a parsed value with `tojson`."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_minja_json(k)}: {_minja_json(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_minja_json(v) for v in value) + "]"
+    if value is True or value is False or value is None:
+        return json.dumps(value)
+    if isinstance(value, int) and _INT64_MIN <= value <= _UINT64_MAX:
+        return str(value)
+    if isinstance(value, int | float):
+        if not math.isfinite(value := float(value)):
+            raise ValueError("not a finite number")
+        return format(value, "g")
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _llamacpp_tool(tool: Any) -> Any:

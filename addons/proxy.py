@@ -29,7 +29,21 @@ from openforge.protocols import endpoints
 from openforge.protocols.engine_ids import body_has_token_ids
 from openforge.protocols.errors import ProtocolError
 
-from . import access, bodies, calllog, control, errors, flowfile, options, profiles, routes, secrecy, translate, wire
+from . import (
+    access,
+    bodies,
+    calllog,
+    control,
+    errors,
+    flowfile,
+    options,
+    profiles,
+    prompt_ids,
+    routes,
+    secrecy,
+    translate,
+    wire,
+)
 from .calllog import CallLog
 from .control import Control
 from .engine import Engine, check_role_upstreams
@@ -220,10 +234,13 @@ class OpenForge:
             else:
                 self._answer(flow, ex, 500, f"OpenForge proxy error: {type(e).__name__}: {e}", "proxy_error")
 
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
+    async def responseheaders(self, flow: http.HTTPFlow) -> None:
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or flow.response is None:
             return
+        if ex.prompt_ids is not None:  # asked beside the call: almost always answered before the engine's answer
+            ex.engine_prompt_ids, ex.engine_prompt_error = await prompt_ids.result(ex.prompt_ids)
+            ex.prompt_ids = None
         ex.t_first_byte = flow.response.timestamp_start or time.time()
         if ex.protocol == "other":  # passed through as the client sent it (credentials swapped if direct)
             req = flow.request
@@ -430,6 +447,8 @@ class OpenForge:
                 ex.injected.append("stream")
             if ex.injected or ex.translated or route is not None:
                 bodies.set_body(req, profiles.encode_json(body).encode())
+            if prompt_ids.wanted(s, ex.engine_profile, engine_protocol):
+                ex.prompt_ids = prompt_ids.start(s, req.content or b"")
         ex.upstream_request = RequestParts(req.method, req.url, req.headers.fields, req.raw_content)
 
     # -- response side -------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ async def time_calls(addon: OpenForge, request_body: bytes, answer: bytes, heade
         f.response = http.Response.make(200, answer, headers)
         f.response.timestamp_start = time.time()
         t2 = time.perf_counter()
-        addon.responseheaders(f)
+        await addon.responseheaders(f)
         t3 = time.perf_counter()
         addon.response(f)
         t4 = time.perf_counter()

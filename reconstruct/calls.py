@@ -59,6 +59,9 @@ class Call:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     engine_prompt_ids: list[int] | RawIds | None = None
+    # the prompt ids came from the engine's own render and tokenization beside the call (the proxy's
+    # `engine_prompt_ids`, llama.cpp), not from its answer: their count is checked against `prompt_tokens`
+    engine_prompt_beside: bool = False
     engine_completion_ids: list[int] | None = None
     engine_logprobs: list[float] | None = None
     images: list[Image] = field(default_factory=list)
@@ -367,6 +370,7 @@ def _parse_chat(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, stream
                 logprobs=lps, lp_ids=ids, finish=choice.get("finish_reason"),
             )
     sgl_prompt, sgl_completion = engine_ids.sglang_ids(sgl)
+    beside = rec.get("engine_prompt_ids")
     messages, tools = _chat_messages(request, images), _chat_tools(request)
     out: list[Call | Skip] = []
     for base, part in _finished(rec, "chat", streamed, choices, out):
@@ -380,7 +384,8 @@ def _parse_chat(rec: ExchangeRecord, request: dict[str, Any], raw: bytes, stream
             finish_reason=part.finish,
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=_completion_tokens(usage, choices, part),
-            engine_prompt_ids=_ids(part.prompt_ids or prompt_ids or sgl_prompt),
+            engine_prompt_ids=_ids(part.prompt_ids or prompt_ids or sgl_prompt or beside),
+            engine_prompt_beside=not (part.prompt_ids or prompt_ids or sgl_prompt) and bool(beside),
             engine_completion_ids=list(part.ids) if part.ids else None,
             engine_logprobs=part.logprobs_if_aligned(),
         ))

@@ -344,7 +344,9 @@ class Ingest:
             return Skip("bad_token_ids", str(e)[:300], call.call_id)
         lps = None if logprobs is None else np.asarray(logprobs, np.float32)
         rendered = len(prompt_ids) if not isinstance(prompt_ids, RawIds) else None
-        check = prompt_check(source, rendered, call.prompt_tokens)
+        check = prompt_check(source, rendered, call.prompt_tokens, call.engine_prompt_beside)
+        if check == "match" and call.engine_prompt_beside and prompt_ids != call.engine_prompt_ids:
+            check = "mismatch"  # rendered (the completion's ids were not the engine's), and not the engine's prompt
         self.touched.add(episode)
         role = rec.get("role") or DEFAULT_ROLE
         bufs["calls"].add(
@@ -428,12 +430,15 @@ def image_prompt(vision: Vision, prompt_ids: list[int] | RawIds, source: str,
     return ids, vision.check_runs(ids, grids)
 
 
-def prompt_check(source: str, rendered: int | None, reported: Any) -> str:
+def prompt_check(source: str, rendered: int | None, reported: Any, beside: bool = False) -> str:
     """`engine` (the engine's own prompt ids), or how a rendered prompt's length compares with the engine's
-    `usage` count: `match`, `mismatch` (the engine rendered another template), `unchecked` (no count)."""
+    `usage` count: `match`, `mismatch` (the engine rendered another template), `unchecked` (no count).
+    Ids the engine gave `beside` its answer (rendered and tokenized by a second request) are checked too:
+    `mismatch` when their count is not the one its answer reports."""
+    counted = rendered is not None and not isinstance(reported, bool) and isinstance(reported, int)
     if source == "engine":
-        return "engine"
-    if rendered is None or isinstance(reported, bool) or not isinstance(reported, int):
+        return "mismatch" if beside and counted and rendered != reported else "engine"
+    if not counted:
         return "unchecked"
     return "match" if rendered == reported else "mismatch"
 

@@ -15,7 +15,9 @@ Token ids (Chat and Completions only, like real engines):
   with the end-of-turn token, as vLLM's do. A Responses answer carries `input_messages` / `output_messages`,
   null unless `"enable_response_messages": true` asks for the rendered prompt and the ids (vLLM 0.32's
   shape; streamed: on the final event).
-- `profile="llamacpp"`: no token-id fields; every `logprobs.content` entry carries the token `id`.
+- `profile="llamacpp"`: no token-id fields; every `logprobs.content` entry carries the token `id`; it serves
+  llama.cpp's `POST /apply-template` (`{"prompt": text}`) and `POST /tokenize` (`{"tokens": ids}`), which
+  give a Chat body's prompt ids as its Chat endpoint renders them.
 - `profile="generic"`: neither.
 `logprobs: true` (Chat) or an int (Completions) adds deterministic fake logprobs (-0.1*(i%7)-0.01).
 
@@ -262,6 +264,9 @@ class ScriptedEngine:
             ("POST", "/v1/messages"): self._messages,
             ("POST", "/v1/messages/count_tokens"): self._count_tokens,
         }
+        if self.profile == "llamacpp":
+            routes[("POST", "/apply-template")] = self._apply_template
+            routes[("POST", "/tokenize")] = self._tokenize
         route = routes.get((h.command, path))
         if route is None:
             return self._send_json(h, 404, {"detail": "Not Found"})
@@ -343,14 +348,32 @@ class ScriptedEngine:
                 return int(body[name])
         return None
 
-    def _chat(self, h: _Handler, body: dict[str, Any]) -> None:
-        if self.fault == "http_500":
-            return self._error(h, 500, "scripted engine failure", "InternalServerError")
+    def _chat_conversation(self, body: dict[str, Any]) -> Conversation:
         msgs = [{**m, "content": content_text(m.get("content"))} if isinstance(m.get("content"), list) else m
                 for m in body.get("messages") or []]
         tools = [t for t in body.get("tools") or [] if t.get("type") == "function" and t.get("function")]
-        conv = Conversation(body.get("model") or DEFAULT_MODEL, msgs, tools,
+        return Conversation(body.get("model") or DEFAULT_MODEL, msgs, tools,
                             self._max_tokens(body, "max_completion_tokens", "max_tokens"))
+
+    def _apply_template(self, h: _Handler, body: dict[str, Any]) -> None:
+        """llama.cpp's `/apply-template`: the prompt text its Chat endpoint renders for this body."""
+        conv = self._chat_conversation(body)
+        text = self._tok("apply_chat_template", conv.messages, tools=conv.tools or None, add_generation_prompt=True,
+                         tokenize=False)
+        self._send_json(h, 200, {"prompt": text})
+
+    def _tokenize(self, h: _Handler, body: dict[str, Any]) -> None:
+        """llama.cpp's `/tokenize`: the ids of `content`, special tokens parsed (its Chat endpoint adds no BOS
+        here: the chat template's ids are the prompt, so `add_special` adds nothing either)."""
+        content = body.get("content")
+        if not isinstance(content, str):
+            return self._error(h, 400, "content must be a string", "invalid_request_error")
+        self._send_json(h, 200, {"tokens": self.encode(content)})
+
+    def _chat(self, h: _Handler, body: dict[str, Any]) -> None:
+        if self.fault == "http_500":
+            return self._error(h, 500, "scripted engine failure", "InternalServerError")
+        conv = self._chat_conversation(body)
         prompt = self.prompt_ids(conv)
         rep = self.reply(conv)
         if self.fault == "empty":

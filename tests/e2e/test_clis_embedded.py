@@ -205,13 +205,14 @@ def test_real_cli_completes_a_task_on_the_embedded_engine(
         assert rec["complete"] and rec["error"] is None and rec["response"]["status"] == 200, rec.get("error")
         assert rec["has_token_ids"] and rec["engine_profile"] == "llamacpp"
     summary = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", retok, missing_reward="fill:0")
-    # llama.cpp returns completion ids, not prompt ids: "mixed" (the prompt rendered by the served template), of
-    # the length llama.cpp counted (else the call is left out of training)
-    assert summary.calls == summary.calls_mixed == len(calls) and summary.calls_prompt_mismatch == 0, summary
+    # llama.cpp returns completion ids; the proxy asked it for each prompt's ids (`engine_prompt_ids`), of the
+    # length llama.cpp counted (else the call is left out of training)
+    assert all(rec.get("engine_prompt_ids") for rec in calls), [rec.get("engine_prompt_error") for rec in calls]
+    assert summary.calls == summary.calls_engine_ids == len(calls) and summary.calls_prompt_mismatch == 0, summary
     con = duckdb.connect(str(tmp_path / "db.duckdb"), read_only=True)
     rows = con.execute("SELECT input_ids, loss_mask, token_source FROM samples").fetchall()
     con.close()
-    assert {r[2] for r in rows} == {"mixed"}
+    assert {r[2] for r in rows} == {"engine"}
     segments = [seg for ids, mask, _ in rows for seg in trainable_segments(ids, mask)]
     assert sorted(segments) == sorted(engine_ids(rec) for rec in calls)
     print(f"\n{name} on the embedded engine: exit 0 after {len(calls)} call(s), "

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pytest
@@ -74,12 +75,16 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
     con = duckdb.connect(str(out / "rl.duckdb"), read_only=True)
     versions = con.execute("SELECT r.iteration, c.policy_version, count(*) FROM calls c JOIN rl_episodes r "
                            "USING (episode_id) GROUP BY 1, 2 ORDER BY 1").fetchall()
-    checks = con.execute("SELECT DISTINCT prompt_check, token_source FROM calls").fetchall()
+    calls = con.execute("SELECT call_id, episode_id, prompt_check, token_source, prompt_tokens FROM calls "
+                        "ORDER BY t_start").fetchall()
     rows = con.execute("SELECT input_ids, loss_mask, behaviour_logprobs, vocab_size, reward, advantage, "
                        "token_source FROM samples WHERE n_trainable > 0").fetchall()
     con.close()
     assert [(i, v) for i, v, _ in versions] == [(0, 0), (1, 1)]
-    assert set(checks) <= {("match", "mixed"), ("match", "retokenized")}  # llama.cpp: completion ids only
+    # the proxy asks llama.cpp for every prompt's ids; a completion it merged (a character split over tokens)
+    # has no ids of its own and is rendered, with its prompt, which must then be the engine's prompt
+    drifted = [c for c in calls if (c[2], c[3]) not in {("engine", "engine"), ("match", "retokenized")}]
+    assert not drifted, drift_report(out / "flows", drifted)
     assert rows
     for ids, mask, logprobs, vocab, reward, advantage, source in rows:
         assert len(ids) == len(mask) and vocab == 49152
@@ -90,8 +95,25 @@ def test_demo_runs_the_loop_and_says_where_everything_is(tmp_path: Path) -> None
         assert logprobs is None or (len(logprobs) == len(ids)
                                     and all(lp <= 0 for m, lp in zip(mask, logprobs) if m and not math.isnan(lp)))
         assert reward is not None and advantage is not None and source in ("engine", "mixed", "retokenized")
-    assert sum(source == "mixed" for *_, source in rows) > len(rows) // 2
+    assert sum(source == "engine" for *_, source in rows) > len(rows) // 2
 
     from openforge.testing.notebooks import execute_rl_notebook
 
     execute_rl_notebook(out)
+
+
+def drift_report(flow_dir: Path, drifted: list[tuple[Any, ...]]) -> str:
+    """Each call whose prompt reconstruct could not take from the engine or check against it, with what the
+    proxy recorded of it: why the engine gave no prompt ids, the engine's count, the tool calls it was sent."""
+    from openforge.addons import flowfile
+
+    records = {r.get("id"): r for f in sorted(flow_dir.glob("*.flows")) for r in flowfile.open_flow_file(f).records()}
+    lines = [f"{len(drifted)} call(s) whose prompt is not the engine's:"]
+    for call_id, episode, check, source, prompt_tokens in drifted:
+        rec = records.get(str(call_id).split("#")[0]) or {}
+        body = json.loads((rec.get("upstream_request") or {}).get("body") or b"{}")
+        tool_calls = [tc.get("function") for m in body.get("messages") or [] for tc in m.get("tool_calls") or []]
+        lines.append(f"- call {call_id} (episode {episode}): prompt_check {check}, token_source {source}, the engine "
+                     f"counted {prompt_tokens} prompt tokens, recorded {len(rec.get('engine_prompt_ids') or [])} "
+                     f"prompt ids, engine_prompt_error {rec.get('engine_prompt_error')!r}, tool calls {tool_calls!r}")
+    return "\n".join(lines)

@@ -118,14 +118,14 @@ def test_record_is_written_before_the_answer_is_released(tmp_path: Path) -> None
             plain = new_flow("plain", False)
             await addon.request(plain)
             plain.response = http.Response.make(200, json.dumps(ANSWER).encode(), {"content-type": "application/json"})
-            addon.responseheaders(plain)
+            await addon.responseheaders(plain)
             addon.response(plain)
             assert episodes() == ["plain"]  # in the OS before mitmproxy sends the answer (no loop pass needed)
 
             streamed = new_flow("streamed", True)
             await addon.request(streamed)
             streamed.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
-            addon.responseheaders(streamed)
+            await addon.responseheaders(streamed)
             stream = streamed.response.stream
             event = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
             assert stream(event) == event  # content passes at once

@@ -46,13 +46,13 @@ async def answer(addon: OpenForge, f: http.HTTPFlow, stream: bool) -> None:
     if stream:
         event = b"data: " + json.dumps({**ANSWER, "object": "chat.completion.chunk"}).encode() + b"\n\n"
         f.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
-        addon.responseheaders(f)
+        await addon.responseheaders(f)
         assert callable(f.response.stream)
         f.response.stream(event + b"data: [DONE]\n\n")
         f.response.stream(b"")  # the end of the stream: its record is written here
     else:
         f.response = http.Response.make(200, json.dumps(ANSWER).encode(), {"content-type": "application/json"})
-        addon.responseheaders(f)
+        await addon.responseheaders(f)
     addon.response(f)
 
 

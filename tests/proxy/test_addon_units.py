@@ -88,6 +88,36 @@ def test_inject_per_profile() -> None:
     assert profiles.inject("sglang", "responses", {}) == profiles.inject("generic", "responses", {}) == []
 
 
+# (arguments as a client sends them back, as llama.cpp 2026.10's template engine renders them: measured through
+# its /apply-template); None: left as sent (not an object or array, or not a fixed point of its parse and render)
+LLAMACPP_ARGUMENTS = [
+    ('{"expression": "12 \\u00d7 7"}', '{"expression": "12 × 7"}'),
+    ('{"expression" : "12 × 7"}', '{"expression": "12 × 7"}'),
+    ('{"x":"a\\nb\\t\\u0001/\\\\"}', '{"x": "a\\nb\\t\\u0001/\\\\"}'),
+    ('{"x": "\\ud83d\\ude00", "y": "say \\"hi\\""}', '{"x": "😀", "y": "say \\"hi\\""}'),
+    ('{"x": 1.0, "y": 100.0, "z": 1.5e10, "w": 3.14159265358979, "v": 1e-7}',
+     '{"x": 1, "y": 100, "z": 1.5e+10, "w": 3.14159, "v": 1e-07}'),
+    ('{"big": 12345678901234567890123, "n": [1, {"a": null}, true]}',
+     '{"big": 1.23457e+22, "n": [1, {"a": null}, true]}'),
+    ('{"a":1,"a":2}', '{"a": 2}'),
+    ("[1,2]", "[1, 2]"),
+    ('{"x": -0.0}', None),
+    ('"a string"', None),
+    ("not json", None),
+    ('{"x": 1e400}', None),
+]
+
+
+@pytest.mark.parametrize(("sent", "rendered"), LLAMACPP_ARGUMENTS)
+def test_llamacpp_tool_call_arguments_are_sent_as_it_renders_them(sent: str, rendered: str | None) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": sent}}]}]}
+    changed = profiles.normalize("llamacpp", "chat", body)
+    assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == (rendered or sent)
+    assert changed == (["messages"] if rendered not in (None, sent) else [])
+    assert profiles.normalize("vllm", "chat", json.loads(json.dumps(body))) == []
+
+
 # vLLM 0.32's Responses stream with `enable_response_messages` (a 3-token answer, events shortened): the ids
 # come on the final event only; unasked, vLLM answers both fields null on every event.
 RAW = [{"message": "<|im_start|>user\nSay hi<|im_end|>\n", "tokens": [1, 4093, 198, 2], "type": "raw_message_tokens"}]

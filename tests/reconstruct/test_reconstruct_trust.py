@@ -166,6 +166,42 @@ def test_prompt_that_differs_from_the_engines_is_template_drift_and_not_trained(
     assert all(x["n_trainable"] > 0 for x in rows(tmp_path, "SELECT n_trainable FROM samples"))
 
 
+def llamacpp_record(f: FlowFactory, task: str, *, completion_ids: bool, prompt_ids: list[int] | None = None,
+                    reported: int | None = None) -> dict:
+    """A llama.cpp Chat exchange: completion ids in the logprob entries (or none, a merged character), the
+    prompt's ids from the proxy's request beside the call (`engine_prompt_ids`: default the true prompt)."""
+    rec = f.chat(convo(task), answer("done"), episode=task, engine_ids=False, reported_prompt_tokens=reported)
+    body = json.loads(rec["response"]["body"])
+    if completion_ids:
+        body["choices"][0]["logprobs"] = {"content": [{"id": i, "token": str(i), "logprob": -0.5}
+                                                      for i in f.completions[-1]]}
+    rec["response"]["body"] = json.dumps(body).encode()
+    true_prompt = f.tok.encode(f.tok.apply_chat_template(convo(task), add_generation_prompt=True, tokenize=False),
+                               add_special_tokens=False)
+    rec["engine_prompt_ids"] = true_prompt if prompt_ids is None else prompt_ids
+    return rec
+
+
+def test_prompt_ids_the_proxy_asked_the_engine_for_are_the_prompt_and_are_checked(tmp_path, retok):
+    f = FlowFactory(tmp_path / "flows", seed=11)
+    f.write(llamacpp_record(f, "exact", completion_ids=True))
+    f.write(llamacpp_record(f, "counted-otherwise", completion_ids=True, reported=7))  # usage disagrees
+    exact = llamacpp_record(f, "merged", completion_ids=False)  # rendered: must equal the engine's prompt
+    other = llamacpp_record(f, "merged-drift", completion_ids=False)
+    other["engine_prompt_ids"] = [*other["engine_prompt_ids"][:-1], other["engine_prompt_ids"][-1] + 1]
+    f.write(exact)
+    f.write(other)
+    f.close()
+    s = run(tmp_path, retok, missing_reward="keep")
+    got = {c["episode_id"]: (c["token_source"], c["prompt_check"], c["n_trainable"]) for c in rows(
+        tmp_path, "SELECT episode_id, calls.token_source, prompt_check, n_trainable FROM calls JOIN samples USING (episode_id)")}
+    assert got["exact"][:2] == ("engine", "engine") and got["exact"][2] > 0
+    assert got["counted-otherwise"] == ("engine", "mismatch", 0)
+    assert got["merged"][:2] == ("retokenized", "match") and got["merged"][2] > 0
+    assert got["merged-drift"] == ("retokenized", "mismatch", 0)  # same length as usage, other ids
+    assert s.calls_engine_ids == 2 and s.calls_prompt_mismatch == 2
+
+
 def test_chat_template_file_replaces_the_tokenizers(tmp_path, retok):
     """`chat_template=FILE`: prompts rendered with the engine's template; a template that drops the tools
     block renders a shorter prompt, which the engine's reported length then flags."""

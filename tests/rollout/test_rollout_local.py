@@ -240,8 +240,9 @@ def test_example_agent_against_the_embedded_engine(start_proxy: Any, tmp_path: P
         assert {(r.status, r.reward) for r in rollout.results} <= {("ok", 0.0), ("ok", 1.0), ("agent_failed", None)}
         proxy.stop()
     summary = reconstruct(proxy.flow_files(), tmp_path / "db.duckdb", load_gguf_tokenizer())
-    # llama.cpp's completion ids, prompts rendered; a completion ending mid-character has no ids (retokenized)
-    assert summary.calls_mixed > 0 and summary.calls_engine_ids == 0, summary
+    # llama.cpp's completion ids and the prompt ids the proxy asked it for; a completion ending mid-character
+    # has no ids (retokenized)
+    assert summary.calls_engine_ids > 0 and summary.calls_mixed == 0 and summary.calls_prompt_mismatch == 0, summary
     con = duckdb.connect(str(tmp_path / "db.duckdb"), read_only=True)
     try:
         rows = con.execute("SELECT episode_id, task_id, reward FROM episodes").fetchall()
