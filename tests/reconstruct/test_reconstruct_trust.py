@@ -193,8 +193,9 @@ def test_prompt_ids_the_proxy_asked_the_engine_for_are_the_prompt_and_are_checke
     f.write(other)
     f.close()
     s = run(tmp_path, retok, missing_reward="keep")
-    got = {c["episode_id"]: (c["token_source"], c["prompt_check"], c["n_trainable"]) for c in rows(
-        tmp_path, "SELECT episode_id, calls.token_source, prompt_check, n_trainable FROM calls JOIN samples USING (episode_id)")}
+    sql = ("SELECT episode_id, calls.token_source, prompt_check, n_trainable FROM calls "
+           "JOIN samples USING (episode_id)")
+    got = {c["episode_id"]: (c["token_source"], c["prompt_check"], c["n_trainable"]) for c in rows(tmp_path, sql)}
     assert got["exact"][:2] == ("engine", "engine") and got["exact"][2] > 0
     assert got["counted-otherwise"] == ("engine", "mismatch", 0)
     assert got["merged"][:2] == ("retokenized", "match") and got["merged"][2] > 0
