@@ -100,6 +100,17 @@ def _error_message(resp: httpx.Response) -> str:
     return json.dumps(body)[:200]
 
 
+def _json_field(resp: httpx.Response | None, name: str) -> Any:
+    """`name` of a 200 JSON object answer, else None."""
+    if resp is None or resp.status_code != 200:
+        return None
+    try:
+        data = resp.json()
+    except ValueError:
+        return None
+    return data.get(name) if isinstance(data, dict) else None
+
+
 def _key_hint(key: str) -> str:
     return f"key {mask(key)}" if key else "no key was sent (set OPENFORGE_UPSTREAM_KEY or --key)"
 
@@ -307,12 +318,33 @@ class Preflight:
         elif entries and all(isinstance(e, dict) and "id" in e for e in entries):
             self.report.profile = "llamacpp"
             self.report.add("token ids", True, f"completion ids in {len(entries)} logprobs entries, no prompt ids: "
-                            "engine profile llamacpp fits (prompt ids come from re-tokenizing)")
+                            "engine profile llamacpp fits")
+            self._check_prompt_ids(body, (data.get("usage") or {}).get("prompt_tokens"))
         else:
             self.report.profile = "generic"
             what = "logprobs but no token ids" if entries else "neither token ids nor logprobs"
             self.report.add("token ids", True, f"{what}: engine profile generic; samples will be re-tokenized, "
                             "not token-exact (vLLM >= 0.10.2 returns ids with return_token_ids)", warn=True)
+
+    def _check_prompt_ids(self, body: dict[str, Any], counted: Any) -> None:
+        """llama.cpp's prompt ids, asked as the proxy asks them (`addons/prompt_ids.py`): its `/apply-template`
+        and `/tokenize`, whose count must be the one its Chat answer reported."""
+        template = self._send("POST", "/apply-template", body)
+        prompt = _json_field(template, "prompt")
+        tokens = None
+        if isinstance(prompt, str):
+            tokenized = self._send("POST", "/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
+            tokens = _json_field(tokenized, "tokens")
+        if not isinstance(tokens, list) or not tokens:
+            self.report.add("prompt ids", True, "the engine's /apply-template and /tokenize gave no prompt ids: "
+                            "prompts will be re-tokenized with the chat template and checked by their count",
+                            warn=True)
+        elif isinstance(counted, int) and len(tokens) != counted:
+            self.report.add("prompt ids", False, f"the engine's /apply-template + /tokenize gave {len(tokens)} ids, "
+                            f"its Chat answer counted {counted} prompt tokens: they render differently")
+        else:
+            self.report.add("prompt ids", True, f"{len(tokens)} ids from the engine's /apply-template + /tokenize, "
+                            "as its Chat answer counted: the proxy records them for every call")
 
     def _check_tools_stream(self, model: str, sampling: dict[str, Any]) -> None:
         """A streamed call with one tool, as the proxy forwards it with the engine profile found above (its

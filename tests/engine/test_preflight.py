@@ -92,6 +92,11 @@ def test_preflight_names_the_engine_profile(profile, warn):
     assert code == 0 and report["profile"] == profile
     token = next(f for f in report["findings"] if f["check"] == "token ids")
     assert token["warn"] is warn
+    prompt = [f for f in report["findings"] if f["check"] == "prompt ids"]
+    if profile == "llamacpp":  # asked as the proxy asks them, and counted as the Chat answer counted them
+        assert [(f["ok"], f["warn"]) for f in prompt] == [(True, False)] and "/apply-template" in prompt[0]["message"]
+    else:
+        assert prompt == []
 
 
 def test_preflight_tries_every_routed_model_with_its_sampling():
