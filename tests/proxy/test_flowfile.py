@@ -136,5 +136,5 @@ def test_record_types_name_every_field_of_the_format_doc() -> None:
                 fields.update(f.strip("` ") for f in line.split("|")[1].split(","))
         assert fields == set(typ.__annotations__), title
     assert flowfile.RewardRecord.__optional_keys__ == {"reward_policy"}
-    assert flowfile.ExchangeRecord.__optional_keys__ == {"policy_version"}  # absent in older files
+    assert flowfile.ExchangeRecord.__optional_keys__ == {"policy_version", "engine_prompt_ids", "engine_prompt_error"}
     assert flowfile.FileHeader.__optional_keys__ == {"mac"}  # in signed files only
