@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,11 @@ def keep_lines_before(path: Path, iteration: int) -> None:
         path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
+def _gaps(values: Iterable[float | None]) -> list[float]:
+    """Values to plot, a version where nothing was scored (every episode failed: None) as a gap."""
+    return [math.nan if v is None else v for v in values]
+
+
 def plot(lines: list[dict[str, Any]], path: Path, evals: list[dict[str, Any]] | None = None) -> None:
     """rl.png: by policy version, the rollouts' mean reward and pass@k (overall and per toolchain) and the
     evaluation's mean reward (error bars: one standard error), pass@k and greedy pass@1."""
@@ -100,24 +106,25 @@ def plot(lines: list[dict[str, Any]], path: Path, evals: list[dict[str, Any]] | 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     x = [line["policy_version"] for line in lines]
     if lines:
-        ax.plot(x, [line["reward_mean"] for line in lines], marker="o", label="rollout reward (trained on)")
-        ax.plot(x, [line["pass_at_k"] for line in lines], marker="s", linestyle="--",
+        ax.plot(x, _gaps(line["reward_mean"] for line in lines), marker="o", label="rollout reward (trained on)")
+        ax.plot(x, _gaps(line["pass_at_k"] for line in lines), marker="s", linestyle="--",
                 label=f"rollout pass@{lines[0]['attempts']} (any)")
         names = sorted({n for line in lines for n in line["toolchains"]})
         if len(names) > 1:
             for name in names:
-                ax.plot(x, [line["toolchains"].get(name, {}).get("reward_mean") for line in lines], marker=".",
+                ax.plot(x, _gaps(line["toolchains"].get(name, {}).get("reward_mean") for line in lines), marker=".",
                         linestyle=":", label=f"{name} reward")
     evals = sorted(evals or [], key=lambda e: e["policy_version"])
     if evals:
         ev = [e["policy_version"] for e in evals]
         sampled = [e["sampled"] for e in evals]
-        ax.errorbar(ev, [s["reward_mean"] for s in sampled], yerr=[s["reward_se"] or 0 for s in sampled],
+        ax.errorbar(ev, _gaps(s["reward_mean"] for s in sampled), yerr=[s["reward_se"] or 0 for s in sampled],
                     marker="D", capsize=3, label=f"eval reward (held out, n={evals[-1]['samples']})")
         k = max(sampled[-1]["pass_at"], key=int)
-        ax.plot(ev, [s["pass_at"][k]["value"] for s in sampled], marker="^", linestyle="-.", label=f"eval pass@{k}")
+        ax.plot(ev, _gaps(s["pass_at"][k]["value"] for s in sampled), marker="^", linestyle="-.",
+                label=f"eval pass@{k}")
         if all("greedy" in e for e in evals):
-            ax.plot(ev, [e["greedy"]["pass_at"]["1"]["value"] for e in evals], marker="v", linestyle="-.",
+            ax.plot(ev, _gaps(e["greedy"]["pass_at"]["1"]["value"] for e in evals), marker="v", linestyle="-.",
                     label="eval greedy pass@1")
     ticks = sorted(set(x) | {e["policy_version"] for e in evals})
     ax.set_xlabel("policy version (rollouts of iteration i + 1 run on version i)")

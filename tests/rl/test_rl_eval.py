@@ -206,3 +206,8 @@ def test_the_table_and_the_plot_show_the_evaluation(tmp_path: Path, fake_episode
     assert "0.250+-0.000" in text and "@2 50%" in text
     plot([], tmp_path / "only-eval.png", evals)
     assert (tmp_path / "only-eval.png").stat().st_size > 0
+    unscored = {"reward_mean": None, "reward_se": None, "pass_at": {"1": {"value": None, "se": None, "tasks": 0}}}
+    failed = [*evals, {**evals[-1], "policy_version": 9, "sampled": unscored, "greedy": unscored}]
+    lines = [*lines, {**lines[-1], "policy_version": 9, "reward_mean": None, "pass_at_k": None}]
+    plot(lines, tmp_path / "unscored.png", failed)  # every episode of a version failed: a gap, not a crash
+    assert (tmp_path / "unscored.png").stat().st_size > 0
