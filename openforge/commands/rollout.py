@@ -6,11 +6,14 @@ import os
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from openforge.commands import fail, one_command
+
+if TYPE_CHECKING:
+    from openforge.rollout.spec import Limits
 
 
 class Backend(StrEnum):
@@ -33,6 +36,10 @@ ON_FAILURE = typer.Option(
              "posts 0.0, 'drop' posts none. CLASS=POLICY (repeat, or comma-separated), or one policy for all; "
              "default agent=zero, the rest drop (docs/rollouts.md, Failure classes).")
 PASS_THRESHOLD = typer.Option(1.0, help="An attempt passes when its reward is >= this.")
+def limit_option(name: str, what: str, metavar: str = "N") -> Any:
+    return typer.Option(None, f"--{name}", metavar=metavar, help=f"{what}; 0 = no limit (docs/rollouts.md, Limits).")
+
+
 NO_SANDBOX = typer.Option(
     False, "--no-sandbox", help="Run agents as plain processes of your user instead of in a bubblewrap sandbox "
                                 "(prints what is then not protected; docs/rollouts.md, Sandbox).")
@@ -53,6 +60,26 @@ def take_tokens(no_sandbox: bool) -> tuple[str | None, str | None]:
     return client_token, reward_token
 
 
+def limits_from_flags(values: dict[str, str | None]) -> Limits:
+    """The episodes' `Limits`: the defaults with the flags given on top; one error line for a bad value."""
+    from openforge.rollout.limits import parse_limits
+
+    try:
+        return parse_limits({k: v for k, v in values.items() if v is not None}, label=lambda k: f"--{k}")
+    except ValueError as e:
+        fail(str(e))
+
+
+def limits_line(enforced: dict[str, dict[str, int]]) -> str:
+    """'limits: memory 4GiB by cgroup v2, pids 512 by cgroup v2 (3), ...': how each limit was enforced (with
+    the number of episodes where not every one had it the same way)."""
+    parts = []
+    for limit, ways in enforced.items():
+        several = len(ways) > 1
+        parts += [f"{limit} {how}" + (f" ({n})" if several else "") for how, n in ways.items()]
+    return "limits: " + (", ".join(parts) or "none")
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -63,8 +90,10 @@ def summary_table(title: str, groups: dict[str, dict[str, Any]], attempts: int) 
     table = Table(title=title)
     for col in ("", "episodes", "mean reward", f"pass@{attempts}", f"pass^{attempts}", "failures", "mean time"):
         table.add_column(col, justify="left" if col in ("", "failures") else "right")
-    for name, s in groups.items():  # failures by class (docs/rollouts.md, Failure classes)
+    for name, s in groups.items():  # failures by class (docs/rollouts.md, Failure classes), limits that fired
         failures = ", ".join(f"{k} {v}" for k, v in s.get("failure_classes", s["failures"]).items()) or "-"
+        if s.get("resources"):
+            failures += " (" + ", ".join(f"{k} {v}" for k, v in s["resources"].items()) + ")"
         mean = "-" if s["mean_reward"] is None else f"{s['mean_reward']:.3f}"
         time = "-" if s["mean_seconds"] is None else f"{s['mean_seconds']:.1f} s"
         table.add_row(name, str(s["episodes"]), mean, _pct(s["pass_at_k"]), _pct(s["pass_all_k"]), failures, time)
@@ -93,6 +122,13 @@ def rollout(
     dry_run: Path | None = typer.Option(
         None, "--dry-run", help="--backend k8s: write every manifest (ConfigMaps, Jobs, NetworkPolicy) to this "
                                 "directory and run nothing."),
+    memory: str | None = limit_option("memory", "Memory of an episode's processes, e.g. 4GiB (default)", "SIZE"),
+    pids: str | None = limit_option("pids", "Processes and threads of an episode, e.g. 512 (default)"),
+    disk: str | None = limit_option("disk", "The workspace and HOME together, e.g. 1GiB (default)", "SIZE"),
+    output: str | None = limit_option("output", "stdout and stderr of the agent together, e.g. 8MiB (default)", "SIZE"),
+    cpus: str | None = limit_option("cpus", "CPUs an episode's processes may use, e.g. 1 (default)"),
+    calls: str | None = limit_option("calls", "LLM calls of an episode, e.g. 200 (default)"),
+    tokens: str | None = limit_option("tokens", "Tokens of an episode's calls, e.g. 200000 (default: 0)"),
 ) -> None:
     """Run every task with every toolchain `--attempts` times, verify each episode and post its reward through
     the proxy. Tokens: $OPENFORGE_CLIENT_TOKEN (the agents' key) and $OPENFORGE_REWARD_TOKEN (from which each
@@ -106,6 +142,8 @@ def rollout(
     from openforge.rollout.runner import RolloutError, check_proxy, execute, prepare
     from openforge.rollout.spec import EpisodeResult
 
+    limits = limits_from_flags(dict(memory=memory, pids=pids, disk=disk, output=output, cpus=cpus, calls=calls,
+                                    tokens=tokens))
     options: dict[str, Any] = dict(attempts=attempts, concurrency=concurrency,
                                    on_failure=",".join(on_failure) or "default",
                                    pass_threshold=pass_threshold, backend=backend.value,
@@ -117,7 +155,7 @@ def rollout(
     try:
         k8s_options = k8s.load_options(k8s_config) if k8s_config else None
         run_id, specs = prepare(tasks, toolchain, proxy=proxy, out=out, fresh_verify_copy=fresh_verify_copy,
-                                **options)
+                                limits=limits, **options)
         if dry_run and k8s_options:
             written = k8s.write_manifests(specs, k8s_options, dry_run)
             print(f"wrote {len(written)} manifest files for {len(specs)} episodes to {dry_run} (run {run_id}); "
@@ -146,6 +184,7 @@ def rollout(
     out_console.print(summary_table("per task", summary["tasks"], attempts))
     out_console.print(summary_table("per toolchain", summary["toolchains"], attempts))
     out_console.print(summary_table("overall", {"all": summary["overall"]}, attempts))
+    out_console.print(limits_line(summary.get("limits", {})))
     out_console.print(f"{summary['rewards_posted']} rewards posted in {summary['wall_s']:.1f} s; "
                       f"summary: {out / 'summary.json'}, episodes: {out / 'episodes'}")
     failed = every_episode_failed(result.results, out / "episodes")

@@ -4,7 +4,6 @@ the four the loop sets itself (db, model, out, where); its `steps` are per itera
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -12,6 +11,8 @@ from typing import Any
 
 from openforge.engine import MIN_CONTEXT
 from openforge.rollout.failures import DEFAULT_POLICY, policies
+from openforge.rollout.limits import parse_limits, settings
+from openforge.rollout.spec import Limits
 from openforge.taskforge.calibrate import DEFAULT_BAND, parse_band
 from openforge.tracking import TRACKERS
 from openforge.trainer.config import ConfigError, TrainConfig, coerce, load_config, read_toml, toml_value
@@ -55,6 +56,8 @@ class RolloutSettings:
     pass_threshold: float = 1.0
     fresh_verify_copy: bool = False  # kept for old rl.toml files: the verifier always runs in a fresh copy now
     sandbox: str = "bwrap"        # bwrap | uid | none: how agents are confined (docs/rollouts.md, Sandbox)
+    # [rollout.limits]: memory, pids, disk, output, cpus, calls, tokens of each episode (docs/rollouts.md, Limits)
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass
@@ -193,8 +196,9 @@ class RLConfig:
         for section in fields(self):
             lines.append(f"[{section.name}]")
             values = getattr(self, section.name)
-            items = values.items() if isinstance(values, dict) else dataclasses.asdict(values).items()
-            lines += [f"{k} = {toml_value(v)}" for k, v in items]
+            items = values.items() if isinstance(values, dict) else \
+                {f.name: getattr(values, f.name) for f in fields(values)}.items()
+            lines += [f"{k} = {toml_value(settings(v) if isinstance(v, Limits) else v)}" for k, v in items]
             lines.append("")
         return "\n".join(lines)
 
@@ -203,6 +207,13 @@ def _section_value(section: str, key: str, value: Any, default: Any) -> Any:
     """A TOML value or a `--set` string as the field's type (lists: TOML arrays or comma-separated, of the
     default's element type: strings, integers for eval.k, numbers for tasks.band)."""
     name = f"{section}.{key}"
+    if name == "rollout.limits":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a table of limits ([rollout.limits] or --set {name}.memory=1GiB)")
+        try:
+            return parse_limits(value, default, label=lambda k: f"{name}.{k}")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if name == "rollout.on_failure":
         try:
             return policies(value)
@@ -231,7 +242,13 @@ def load_rl_config(path: str | Path | None = None, sets: dict[str, Any] | None =
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{section} must be a table of settings")
-        table[key.replace("-", "_")] = value
+        key, dot, sub = key.replace("-", "_").partition(".")
+        if dot:  # rollout.limits.memory: a key of a sub-table
+            table = table.setdefault(key, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{section}.{key} must be a table of settings")
+            key = sub
+        table[key] = value
     cfg = RLConfig()
     unknown = sorted(set(data) - {f.name for f in fields(RLConfig)})
     if unknown:

@@ -17,7 +17,7 @@ from openforge.rl.base import RunBase
 from openforge.rl.errors import RLError
 from openforge.rl.evaluation import score
 from openforge.rl.report import eval_brief, read_lines
-from openforge.rl.services import ProxyProcess, proxy_routes
+from openforge.rl.services import ProxyProcess, proxy_budget, proxy_routes
 from openforge.rollout.failures import EpisodeStatus, reward_due
 from openforge.rollout.run_failure import every_episode_failed
 from openforge.rollout.runner import Rollout, execute, prepare, read_result
@@ -50,13 +50,14 @@ class Rollouts(RunBase):
             proxy = ProxyProcess(self.policy.url, out / "flows", out / "proxy.log", profile=self.policy.profile,
                                  routes=proxy_routes(self.cfg, greedy=mode == "greedy"),
                                  secret_files=self.secret_files, policy_version=version,
-                                 pause_timeout=self.cfg.proxy.pause_timeout)
+                                 pause_timeout=self.cfg.proxy.pause_timeout, budget=proxy_budget(self.cfg))
             with self.console.status(f"evaluation of policy version {version}: {len(self.eval_tasks)} held-out "
                                      f"tasks x {attempts} ({mode})"), proxy:
                 run_id, specs = prepare(self.eval_tasks, r.toolchains, proxy=proxy.url, out=out, backend="local",
                                         attempts=attempts, concurrency=r.concurrency, on_failure=r.on_failure,
                                         pass_threshold=r.pass_threshold,
-                                        run_id=f"{self.state.run_id}-eval{version:03d}-{mode}", sandbox=r.sandbox)
+                                        run_id=f"{self.state.run_id}-eval{version:03d}-{mode}", sandbox=r.sandbox,
+                                        limits=r.limits)
                 done = execute(run_id, specs, out=out, attempts=attempts, concurrency=r.concurrency,
                                on_failure=r.on_failure, pass_threshold=r.pass_threshold, sandbox=r.sandbox,
                                client_token=self.client_token, reward_token=self.reward_token)
@@ -74,7 +75,7 @@ class Rollouts(RunBase):
         out = self.rollout_dir(i)
         run_id, specs = prepare(self.tasks, r.toolchains, proxy=self.proxy.url, out=out, backend="local",
                                 fresh_verify_copy=r.fresh_verify_copy, run_id=f"{self.state.run_id}-i{i:03d}",
-                                sandbox=r.sandbox, **self.rollout_options())
+                                sandbox=r.sandbox, limits=r.limits, **self.rollout_options())
         while True:
             ran, rollout = self.rollout_round(run_id, specs, out)
             if not self.ensure_engine(i, "the end of the rollout"):

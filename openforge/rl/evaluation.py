@@ -20,7 +20,8 @@ from typing import Any
 from openforge.rollout.failures import EpisodeStatus
 from openforge.rollout.spec import EpisodeResult, Task
 
-AGENT_FAILURE = EpisodeStatus.AGENT_FAILED  # the agent's own failure: it scores 0; other failures are not scored
+# the agent's own failures (it exited non-zero, a limit stopped it): they score 0; other failures are not scored
+AGENT_FAILURES = (EpisodeStatus.AGENT_FAILED, EpisodeStatus.RESOURCE)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -51,7 +52,7 @@ def episode_score(result: EpisodeResult) -> float | None:
     agent did not cause: a timeout, a crash, a verifier that gave nothing."""
     if result.reward is not None:
         return result.reward
-    return 0.0 if result.status == AGENT_FAILURE else None
+    return 0.0 if result.status in AGENT_FAILURES else None
 
 
 def mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:

@@ -50,7 +50,7 @@ from openforge.rl.lock import RunLock, RunLocked
 from openforge.rl.pruning import prune_checkpoints, prune_policies
 from openforge.rl.records import reward_mismatches
 from openforge.rl.report import UNTRACKED, Report, keep_lines_before, percent, plot, read_lines
-from openforge.rl.services import LlamaCppPolicy, Policy, ProxyProcess, VllmPolicy, proxy_routes
+from openforge.rl.services import LlamaCppPolicy, Policy, ProxyProcess, VllmPolicy, proxy_budget, proxy_routes
 from openforge.rl.services import publish as publish_weights
 from openforge.rl.state import Stage
 from openforge.rl.training import Training
@@ -103,7 +103,7 @@ class RLRun(Rollouts, Training, Report):
             proxy = ProxyProcess(policy.url, self.flow_dir, self.logs / "proxy.log", profile=policy.profile,
                                  routes=proxy_routes(self.cfg), secret_files=files,
                                  policy_version=self.state.version,
-                                 pause_timeout=self.cfg.proxy.pause_timeout)
+                                 pause_timeout=self.cfg.proxy.pause_timeout, budget=proxy_budget(self.cfg))
             self.proxy = stack.enter_context(proxy)
             self.control = ControlClient(self.proxy.url, self.reward_token, timeout=60)
             self.console.print(f"engine {policy.url} ({policy.profile}, policy version {self.state.version}), "

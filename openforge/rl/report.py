@@ -16,7 +16,7 @@ METRIC_MEANS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "ratio_dev"
                 "grad_norm", "engine_gap_mean", "engine_logprob_share", "tokens_per_s")
 # rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
 UNTRACKED = ("iteration", "policy_version", "run_id", "tasks", "train_step_range", "checkpoint", "served", "eval",
-             "attempts", "recalibrated", "skipped_train")
+             "attempts", "recalibrated", "skipped_train", "limits")
 
 
 class Report(RunBase):
@@ -50,6 +50,7 @@ class Report(RunBase):
             "reward_mean": overall["mean_reward"], "pass_at_k": overall["pass_at_k"],
             "pass_all_k": overall["pass_all_k"], "failures": overall["failures"],
             "failure_classes": overall.get("failure_classes", {}),
+            "resources": overall.get("resources", {}), "limits": summary.get("limits", {}),
             "zero_variance_groups": zero_variance_share(rollout.results),
             "toolchains": {k: _brief(v) for k, v in summary["toolchains"].items()},
             "tasks": {k: _brief(v) for k, v in summary["tasks"].items()},

@@ -32,15 +32,20 @@ if TYPE_CHECKING:
 Weights = Mapping[str, "torch.Tensor"]  # a model's full weights by transformers name (`Trainer.weights`)
 
 
+# The proxy's per-episode budget (rollout.limits.calls, .tokens): it refuses an episode's calls past them.
+BUDGET_OPTIONS = ("openforge_episode_max_calls", "openforge_episode_max_tokens")
+
+
 class ProxyProcess:
     """`mitmdump -s addons/openforge.py` in reverse mode in front of the engine, stopped with SIGINT so the
     addon writes in-flight exchanges and closes its flow file. Secrets reach it as files (`secret_files`:
     option name -> path, e.g. `openforge_reward_tokens_file`), never its command line or environment; its
-    log has the addon's line per call (`flow_detail=0`)."""
+    log has the addon's line per call (`flow_detail=0`). `budget`: each episode's calls and tokens (0: no
+    limit)."""
 
     def __init__(self, upstream: str, flow_dir: Path, log_path: Path, *, profile: str, routes: dict[str, Any],
                  secret_files: Mapping[str, Path] | None = None, policy_version: int = 0,
-                 pause_timeout: float = 300.0, port: int = 0) -> None:
+                 pause_timeout: float = 300.0, port: int = 0, budget: tuple[int, int] = (0, 0)) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flow_dir = flow_dir
@@ -50,6 +55,7 @@ class ProxyProcess:
             "openforge_models=" + json.dumps(routes), f"openforge_policy_version={policy_version}",
             f"openforge_pause_timeout={pause_timeout:g}", f"confdir={flow_dir.parent / 'mitmproxy'}",
             *(f"{name}={path}" for name, path in (secret_files or {}).items()),
+            *(f"{name}={n}" for name, n in zip(BUDGET_OPTIONS, budget) if n),
         ])
         self.log_path, self.env = log_path, without_secrets(os.environ)
         self.child: Child | None = None
@@ -84,6 +90,11 @@ def proxy_routes(cfg: RLConfig, greedy: bool = False) -> dict[str, Any]:
     if p.max_tokens:
         sampling["max_tokens"] = p.max_tokens
     return {role: {"models": {"*": cfg.engine.name}, "sampling": sampling} for role in cfg.reconstruct.train_roles}
+
+
+def proxy_budget(cfg: RLConfig) -> tuple[int, int]:
+    """What the proxy allows each episode: (calls, tokens) of rollout.limits."""
+    return cfg.rollout.limits.calls, cfg.rollout.limits.tokens
 
 
 class Policy:

@@ -11,7 +11,8 @@ $OPENFORGE_REWARD_TOKEN. This process is non-dumpable from its first line on.
 The agent gets an environment built from scratch (a few harmless variables, its HOME, the adapter's `env`)
 and runs in the spec's sandbox (`openforge/rollout/sandbox.py`). The verifier runs after the agent's
 sandbox is gone, in a fresh copy of the workspace with the task's files restored over it, with no token, no
-network (bwrap) and no current directory on Python's path; this process posts the reward. `result.json` is
+network (bwrap) and no current directory on Python's path; this process posts the reward. Both run under the
+spec's limits (`limits.py`): a limit that stops the agent ends the episode as `resource`. `result.json` is
 written whatever happens. Exit code 0 once result.json is written (the outcome is in it), 2 for a spec
 that cannot be read.
 """
@@ -37,8 +38,17 @@ from openforge.protocols.control import CallsAnswer, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout import sandbox
 from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
-from openforge.rollout.failures import EpisodeStatus, answered, classify, engine_failure, model_output_errors, policies
-from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
+from openforge.rollout.failures import (
+    EpisodeStatus,
+    answered,
+    classify,
+    engine_failure,
+    model_output_errors,
+    over_budget,
+    policies,
+)
+from openforge.rollout.limits import BoundedDirs, EpisodeLimits, Fired, Step, private_mounts, read_tail, special_files
+from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec, Limits
 from openforge.rollout.tasks import relative_path
 
 DUMMY_KEY = "sk-openforge-dummy-0000"  # a proxy without client tokens takes any key
@@ -47,15 +57,17 @@ MAX_ABS_REWARD = 1e6  # the proxy refuses larger rewards
 KILL_GRACE_S = 2.0
 POST_TRIES = 3
 STDERR_TAIL = 2000  # characters of the verifier's stderr kept in result.json
+STDERR_READ = 64 * 1024  # bytes of the verifier's stderr read (the end of a traceback)
+STDOUT_READ = 1024 * 1024  # bytes of the verifier's stdout read (its last line is the reward)
 TRACEBACK = "Traceback (most recent call last):"
 
 
 class EpisodeError(Exception):
-    """Ends the episode early with `status` and `reason`."""
+    """Ends the episode early with `status` and `reason` (and the limit that fired, for `resource`)."""
 
-    def __init__(self, status: str, reason: str) -> None:
+    def __init__(self, status: str, reason: str, resource: str | None = None) -> None:
         super().__init__(reason)
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.resource = status, reason, resource
 
 
 def hide_environment() -> None:
@@ -150,23 +162,29 @@ def write_under(root: Path, rel: str, content: str) -> None:
 
 
 def run_group(argv: list[str], *, cwd: Path, env: dict[str, str], out: Path, name: str, timeout: float,
-              popen: Mapping[str, Any] | None = None) -> tuple[int | None, float]:
+              popen: Mapping[str, Any] | None = None, step: Step | None = None) -> tuple[int | None, float]:
     """Run `argv` in its own process group, stdout/stderr to `out/name.stdout|.stderr`; (exit code or None
     on timeout, seconds). What the command left running in its group is killed when it exits. `popen`:
-    more Popen arguments (the user to run as)."""
+    more Popen arguments (the user to run as); `step`: the limits it runs under (none by default), which
+    say afterwards whether one stopped it (`step.fired`)."""
+    step = step or Step(Limits.none())
     started = time.monotonic()
-    with open(out / f"{name}.stdout", "wb") as stdout, open(out / f"{name}.stderr", "wb") as stderr:
+    with step.stdio(out, name) as stdio:
         try:
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                                    start_new_session=True, **(popen or {}))
+            with step.spawning():
+                proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                        **stdio, **step.popen(popen))
         except OSError as e:
+            step.done()
             raise EpisodeError(EpisodeStatus.CRASHED, f"cannot start {name} ({argv[0]}): {e.strerror or e}") from None
+        step.started(proc)
         try:
             code: int | None = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             code = None
         finally:  # on timeout or interruption: the command; else: what it left behind in the background
             stop_group(proc, KILL_GRACE_S)
+            step.done()
     return code, time.monotonic() - started
 
 
@@ -262,44 +280,67 @@ class Confinement:
         return any(path.resolve().is_relative_to(w.resolve()) for w in writable)
 
 
-def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path) -> None:
+def _setup_workspace(spec: EpisodeSpec, env: dict[str, str], out: Path, guard: EpisodeLimits) -> BoundedDirs | None:
+    """The workspace and HOME (on one bounded file system where `guard` can mount it: returned), the task's
+    files, its setup."""
     work, home = Path(spec.workdir), Path(spec.home)
     work.mkdir(parents=True, exist_ok=True)
     home.mkdir(parents=True, exist_ok=True)
+    bounded = guard.bound([work, home])
     for rel, content in spec.task.files.items():
         write_under(work, rel, content)
     if spec.task.setup:
         code, _ = run_group(["bash", "-c", spec.task.setup], cwd=work, env=env, out=out, name="setup",
-                            timeout=spec.task.timeout_s)
+                            timeout=spec.task.timeout_s, step=guard.step(contained=False))
         if code != 0:
             why = "timed out" if code is None else f"exited {code}"
             raise EpisodeError(EpisodeStatus.CRASHED, f"setup {why} (see setup.stderr)")
-
-
-def special_files(directory: str, names: list[str]) -> set[str]:
-    """What a copy of the workspace leaves out: pipes, sockets, devices (reading a pipe the agent left would
-    block)."""
-    return {n for n in names if not (os.path.islink(p := os.path.join(directory, n)) or os.path.isfile(p)
-                                     or os.path.isdir(p))}
+    return bounded
 
 
 def verify_in_copy(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str],
                    out: Path) -> tuple[int | None, float]:
     """(exit code or None on timeout, seconds) of the task's verifier, run in `work.verify/`: a fresh copy of
     the workspace with the task's own files (but the `editable` ones) written over it, and a fresh HOME."""
+    code, seconds, _ = _verify(spec, box, parent, out, EpisodeLimits(Limits.none(), ""))
+    return code, seconds
+
+
+def _verify(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path,
+            guard: EpisodeLimits) -> tuple[int | None, float, Fired | None]:
+    """`verify_in_copy` under the episode's limits (the copy and its HOME on a bounded file system of their
+    own, or measured); also the limit that stopped the verifier."""
     work = Path(spec.workdir)
     copy, home = work.with_name(work.name + ".verify"), out / "verify-home"
     for d in (copy, home):
         shutil.rmtree(d, ignore_errors=True)
-    shutil.copytree(work, copy, symlinks=True, ignore=special_files)
+    bounded = guard.bound([copy, home])
+    try:
+        shutil.copytree(work, copy, symlinks=True, ignore=special_files, dirs_exist_ok=True)
+    except (OSError, shutil.Error):
+        if bounded is not None and bounded.full():  # sparse files the agent left, say, written out whole
+            raise EpisodeError(EpisodeStatus.RESOURCE, f"resource: disk: the workspace does not fit in its "
+                               f"verifier's copy (the disk limit {guard.enforced['disk']})", "disk") from None
+        raise
     for rel, content in spec.task.files.items():
         if rel not in spec.task.editable:
             write_under(copy, rel, content)
-    home.mkdir()
+    home.mkdir(exist_ok=True)
     box.prepare(copy, home)
+    step = guard.step(bounded=bounded, watch=[copy, home])
     with box.step(["bash", "-c", spec.task.verify], cwd=copy, writable=[copy, home], network=False) as (argv, popen):
-        return run_group(argv, cwd=copy, env=verifier_env(home, parent), out=out, name="verify",
-                         timeout=spec.task.timeout_s, popen=popen)
+        code, seconds = run_group(argv, cwd=copy, env=verifier_env(home, parent), out=out, name="verify",
+                                  timeout=spec.task.timeout_s, popen=popen, step=step)
+    return code, seconds, step.fired
+
+
+def verifier_stdout(path: Path) -> str:
+    """The end of the verifier's stdout, where its reward is; ValueError when that end is blank but there was
+    more before it (the reward cannot be told from "printed nothing" then)."""
+    text = read_tail(path, STDOUT_READ)
+    if not text.strip() and path.is_file() and path.stat().st_size > STDOUT_READ:
+        raise ValueError(f"its last {STDOUT_READ} bytes of stdout are blank")
+    return text
 
 
 class VerifyFailed(EpisodeError):
@@ -311,15 +352,18 @@ class VerifyFailed(EpisodeError):
 
 
 def _verdict(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path,
-             result: EpisodeResult) -> EpisodeResult:
-    """`result` with the verifier's reward, exit code and stderr tail; VerifyFailed when it gave none."""
-    code, seconds = verify_in_copy(spec, box, parent, out)
-    stderr = (out / "verify.stderr").read_text(errors="replace")
+             result: EpisodeResult, guard: EpisodeLimits) -> EpisodeResult:
+    """`result` with the verifier's reward, exit code and stderr tail; VerifyFailed when it gave none (a limit
+    that stopped the verifier too: the task's to fix, or the agent's code it ran)."""
+    code, seconds, fired = _verify(spec, box, parent, out, guard)
+    stderr = read_tail(out / "verify.stderr", STDERR_READ)
     result = replace(result, verify_exit_code=code, verify_s=round(seconds, 3), verify_stderr=stderr[-STDERR_TAIL:])
     try:
+        if fired is not None:
+            raise ValueError(f"resource: {fired.resource}: {fired.why}")
         if code is None:
             raise ValueError(f"timed out after {spec.task.timeout_s:g} s")
-        return replace(result, reward=parse_reward((out / "verify.stdout").read_text(errors="replace"), code, stderr))
+        return replace(result, reward=parse_reward(verifier_stdout(out / "verify.stdout"), code, stderr))
     except ValueError as e:
         raise VerifyFailed(result, f"verifier: {e}") from None
 
@@ -347,9 +391,11 @@ def _classified(result: EpisodeResult, calls: Mapping[str, Any] | None) -> Episo
     return replace(result, failure_class=cls, reason="; ".join(r for r in (result.reason, *notes) if r))
 
 
-def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, str] | None = None) -> EpisodeResult:
+def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, str] | None = None, *,
+                mounts: bool = False) -> EpisodeResult:
     """Run the episode, post its reward (the verifier's, or 0.0 for a failure whose class's policy is zero),
-    write result.json."""
+    write result.json. `mounts`: this process has a mount namespace of its own (`limits.private_mounts`), so
+    the disk limit can be a bounded file system."""
     parent = os.environ if parent_env is None else parent_env
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -358,36 +404,51 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
     work, home = Path(spec.workdir), Path(spec.home)
     env = base_env(home, parent)
     calls: CallsAnswer | None = None
+    guard = EpisodeLimits(spec.limits, f"openforge-episode-{os.getpid()}", mounts=mounts,
+                          uid=sandbox.NOBODY if spec.sandbox == "uid" else None)
     try:
         box = Confinement(spec)
-        _setup_workspace(spec, env, out)
+        bounded = _setup_workspace(spec, env, out, guard)
+        result = replace(result, limits=dict(guard.enforced))
         values = placeholders(spec, secrets.client_token or DUMMY_KEY, parent)
         argv, adapter_env = render_adapter(spec.adapter, values, home)
         box.prepare(work, home)
+        step = guard.step(bounded=bounded, watch=[work, home], stop_on_output=True)
         with box.step(argv, cwd=work, writable=[work, home], network=True) as (argv, popen):
             code, agent_s = run_group(argv, cwd=work, env={**env, **adapter_env}, out=out, name="agent",
-                                      timeout=spec.task.timeout_s, popen=popen)
+                                      timeout=spec.task.timeout_s, popen=popen, step=step)
         result = replace(result, exit_code=code, agent_s=round(agent_s, 3))
         calls = proxy_calls(spec, secrets.reward_key())
         if calls is not None:
-            result = replace(result, calls={str(k): int(v) for k, v in calls["statuses"].items()})
+            guard.budget_kept("refused_budget" in calls)
+            result = replace(result, calls={str(k): int(v) for k, v in calls["statuses"].items()},
+                             limits=dict(guard.enforced))
+        if (fired := step.fired) is not None:
+            raise EpisodeError(EpisodeStatus.RESOURCE, f"resource: {fired.resource}: the agent {fired.why}",
+                               fired.resource)
+        if calls is not None:
+            if why := over_budget(calls, spec.limits.calls, spec.limits.tokens):
+                raise EpisodeError(EpisodeStatus.RESOURCE, f"resource: calls: {why}", "calls")
             if why := engine_failure(calls):
                 raise EpisodeError(EpisodeStatus.ENGINE_ERROR, why)
         if code is None:
             raise EpisodeError(EpisodeStatus.TIMEOUT, f"agent killed after {spec.task.timeout_s:g} s")
         if code != 0:
             raise EpisodeError(EpisodeStatus.AGENT_FAILED, f"agent exited {code} (see agent.stderr)")
-        result = _verdict(spec, box, parent, out, result)
+        result = _verdict(spec, box, parent, out, result, guard)
     except VerifyFailed as e:
         result = replace(e.result, status=e.status, reason=e.reason)
     except EpisodeError as e:
-        result = replace(result, status=e.status, reason=e.reason)
+        result = replace(result, status=e.status, reason=e.reason, resource=e.resource)
     except KeyboardInterrupt:  # SIGINT, or SIGTERM (main): the runner was stopped; no reward for this one
         result = replace(result, status=EpisodeStatus.CRASHED, reason="interrupted", failure_class="infra")
+        _closed(guard)
         write_result(out, result)
         return result
     except Exception as e:  # noqa: BLE001 - an episode always ends with a result saying why
         result = replace(result, status=EpisodeStatus.CRASHED, reason=f"{type(e).__name__}: {e}")
+    if why := _closed(guard):
+        result = replace(result, reason="; ".join(r for r in (result.reason, why) if r))
     result = _classified(result, calls)
     if result.failure_class is None or policies(spec.on_failure)[result.failure_class] == "zero":
         why = post_reward(spec, result.reward if result.reward is not None else 0.0, result.status,
@@ -396,6 +457,14 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
                          reason="; ".join(r for r in (result.reason, why) if r))
     write_result(out, result)
     return result
+
+
+def _closed(guard: EpisodeLimits) -> str | None:
+    """The cgroup removed and the bounded directories copied back; what went wrong, if anything."""
+    try:
+        return guard.close()
+    except Exception as e:  # noqa: BLE001 - the episode's outcome stands; the result says what was not cleaned up
+        return f"limits not cleaned up: {type(e).__name__}: {e}"
 
 
 def write_result(out: Path, result: EpisodeResult) -> None:
@@ -421,13 +490,15 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, KeyError) as e:
         print(f"error: cannot read the episode spec {args[0]}: {e}", file=sys.stderr)
         return 2
+    # before any thread starts: a mount namespace of its own, for the bounded workspace
+    mounts = bool(spec.limits.disk) and private_mounts() is None
     signal.signal(signal.SIGTERM, _interrupt)
     secrets = Secrets(spec.episode, sys.stdin.fileno() if from_stdin else None, os.environ)
     for name in (CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV):  # no child inherits them
         os.environ.pop(name, None)
     if spec.sandbox == "uid":
         os.umask(0o077)  # what this process writes is root's alone; the agent gets only its own directories
-    result = run_episode(spec, secrets)
+    result = run_episode(spec, secrets, mounts=mounts)
     print(f"{result.episode}: {result.status} reward={result.reward} {result.reason}".rstrip())
     print(RESULT_MARKER + json.dumps(asdict(result)), flush=True)
     return 0

@@ -23,6 +23,9 @@ class EpisodeStatus(StrEnum):
     CRASHED = "crashed"
     VERIFY_FAILED = "verify_failed"
     ENGINE_ERROR = "engine_error"
+    # a limit stopped the agent (docs/rollouts.md, Limits): the agent's failure, named in
+    # `EpisodeResult.resource`: memory, pids, disk, output or calls
+    RESOURCE = "resource"
 
 
 POLICIES = ("zero", "drop")
@@ -31,7 +34,7 @@ DEFAULT_POLICY = {"agent": "zero", "timeout": "drop", "verifier": "drop", "engin
 # status -> class, where nothing more is known (a timeout whose agent got no answer is `infra`: episode.py)
 STATUS_CLASS: dict[str, str] = {EpisodeStatus.AGENT_FAILED: "agent", EpisodeStatus.TIMEOUT: "timeout",
                                 EpisodeStatus.VERIFY_FAILED: "verifier", EpisodeStatus.ENGINE_ERROR: "engine",
-                                EpisodeStatus.CRASHED: "infra"}
+                                EpisodeStatus.CRASHED: "infra", EpisodeStatus.RESOURCE: "agent"}
 # An engine's 5xx that says it could not parse what the model generated (llama.cpp: a tool call that is not
 # JSON): the model's mistake, so the agent's, not the engine's.
 MODEL_OUTPUT_ERRORS = ("failed to parse tool call", "failed to parse input", "failed to parse arguments")
@@ -100,3 +103,24 @@ def model_output_errors(calls: Mapping[str, Any]) -> int:
     """How many of the episode's calls the engine refused because it could not parse the model's output."""
     return sum(1 for e in calls.get("errors") or [] if isinstance(e, dict) and int(e.get("status") or 0) >= 500
                and model_output_error(str(e.get("message"))))
+
+
+def budget_refusals(calls: Mapping[str, Any]) -> int:
+    """How many of the episode's calls the proxy refused past the episode's call or token budget
+    (`refused_budget` in its calls answer; 0 from a proxy that keeps no budget)."""
+    n = calls.get("refused_budget")
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
+
+def over_budget(calls: Mapping[str, Any], max_calls: int, max_tokens: int) -> str | None:
+    """Why the episode went past its call or token budget (0: none), from the proxy's calls answer: the
+    proxy refused calls past it, or (a proxy that keeps no budget) the episode made more calls, or used more
+    tokens, than it allows; None when it did not."""
+    if n := budget_refusals(calls):
+        return f"the proxy refused {n} of its calls past the episode's budget"
+    made, used = calls.get("calls"), calls.get("tokens")
+    if max_calls and isinstance(made, int) and made > max_calls:
+        return f"{made} calls, over the limit of {max_calls}"
+    if max_tokens and isinstance(used, int) and used > max_tokens:
+        return f"{used} tokens, over the limit of {max_tokens}"
+    return None

@@ -41,6 +41,8 @@ CONTAINER = "episode"
 COMMAND = ["python", "-m", "openforge.rollout.episode", f"{SPEC_DIR}/{SPEC_KEY}"]
 LABEL_PREFIX = "openforge/"
 CONFIGMAP_MAX_BYTES = 1024 * 1024  # the API server refuses a larger ConfigMap
+POD_OVERHEAD = 256 * 2**20  # memory of the episode process (Python) beside the agent's limit
+SCRATCH_MARGIN = 64 * 2**20  # ephemeral storage beside the workspaces and output: logs, spec, result
 INT32_MAX = 2**31 - 1  # ttlSecondsAfterFinished, ports, modes are int32 in the API
 INT64_MAX = 2**63 - 1  # activeDeadlineSeconds; a quantity's value (cpu: in millicores)
 SPEC_MODE = 0o400  # the spec file: root's only (the agent runs as another uid)
@@ -264,6 +266,30 @@ def deadline_s(spec: EpisodeSpec, options: K8sOptions) -> int:
     return 3 * math.ceil(spec.task.timeout_s) + options.deadline_margin_s
 
 
+def _bytes(n: int) -> str:
+    return f"{n // 2**20}Mi" if n % 2**20 == 0 else str(n)
+
+
+def _least(resource: str, a: str, b: str) -> str:
+    unit: Decimal | int = Decimal("0.001") if resource == "cpu" else 1
+    return a if _quantity(resource, a, unit) <= _quantity(resource, b, unit) else b
+
+
+def pod_resources(spec: EpisodeSpec, options: K8sOptions) -> dict[str, dict[str, str]]:
+    """The container's requests and limits: the episode's limits where it sets them (memory: plus the episode
+    process's own; ephemeral-storage from disk: the workspace, its verifier's copy and the kept output), the
+    options' for the rest; a request is never above its limit."""
+    lim = spec.limits
+    limits = {"cpu": f"{math.ceil(lim.cpus * 1000)}m" if lim.cpus else options.cpu_limit,
+              "memory": _bytes(lim.memory + POD_OVERHEAD) if lim.memory else options.memory_limit}
+    requests = {"cpu": _least("cpu", options.cpu_request, limits["cpu"]),
+                "memory": _least("memory", options.memory_request, limits["memory"])}
+    if lim.disk:
+        limits["ephemeral-storage"] = requests["ephemeral-storage"] = _bytes(2 * lim.disk + 3 * lim.output +
+                                                                             SCRATCH_MARGIN)
+    return {"requests": requests, "limits": limits}
+
+
 def configmap(spec: EpisodeSpec, options: K8sOptions) -> dict[str, Any]:
     data = {SPEC_KEY: pod_spec(spec).to_json(), "PYTHONUNBUFFERED": "1", **options.env}
     size = sum(len(k.encode()) + len(v.encode()) for k, v in data.items())
@@ -286,8 +312,7 @@ def job(spec: EpisodeSpec, options: K8sOptions) -> dict[str, Any]:
                 "name": options.client_token_secret, "key": options.client_token_key}}},
             {"name": REWARD_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                 "name": options.reward_token_secret, "key": options.reward_token_key}}}]
-    resources = {"requests": {"cpu": options.cpu_request, "memory": options.memory_request},
-                 "limits": {"cpu": options.cpu_limit, "memory": options.memory_limit}}
+    resources = pod_resources(spec, options)
     scratch = [{"name": "episode", "mountPath": EPISODE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
     container = {
         "name": CONTAINER, "image": options.image, "imagePullPolicy": "IfNotPresent", "command": COMMAND,

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from openforge.rollout.failures import EpisodeStatus
+from openforge.rollout.limits import read_tail
 from openforge.rollout.spec import EpisodeResult
 
 MAX_CAUSE = 300  # characters of the CLI's own line kept in the message
+READ_TAIL = 256 * 1024  # bytes read from the end of each output file
 
 
 def every_episode_failed(results: Sequence[EpisodeResult], episodes_dir: Path) -> str | None:
@@ -34,10 +36,7 @@ def agent_error(episode_dir: Path) -> str:
     events there), else the last line of its stderr; '' when it printed nothing."""
     lines: dict[str, list[str]] = {}
     for name in ("agent.stdout", "agent.stderr"):
-        try:
-            text = (episode_dir / name).read_text(errors="replace")
-        except OSError:
-            text = ""
+        text = read_tail(episode_dir / name, READ_TAIL)
         lines[name] = [line.strip() for line in text.splitlines() if line.strip()]
     for name in ("agent.stdout", "agent.stderr"):
         errors = [line for line in lines[name] if "error" in line.lower()]

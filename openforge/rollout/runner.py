@@ -13,6 +13,7 @@ the reward token; episode processes inherit neither variable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,8 +35,9 @@ from openforge.protocols.control import STATUS_PATH, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
 from openforge.rollout.failures import POLICIES, EpisodeStatus, classify, policies
+from openforge.rollout.limits import parse_limits
 from openforge.rollout.sandbox import MODES, unavailable
-from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, Adapter, EpisodeResult, EpisodeSpec, Task
+from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, Adapter, EpisodeResult, EpisodeSpec, Limits, Task
 from openforge.rollout.tasks import TaskFileError, read_tasks
 
 if TYPE_CHECKING:
@@ -58,10 +60,10 @@ def new_run_id() -> str:
 
 def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, proxy_url: str, out: Path,
          run_id: str, fresh_verify_copy: bool = False, on_failure: OnFailure = "default",
-         sandbox: str = "bwrap", role: str | None = None) -> list[EpisodeSpec]:
+         sandbox: str = "bwrap", role: str | None = None, limits: Limits | None = None) -> list[EpisodeSpec]:
     """One spec per (task, toolchain allowed by the task, attempt 1..k), each with its own directories under
     `out/episodes/<episode>/` (episode = run id, task, toolchain, attempt); `role`: the proxy's role for the
-    agents' calls (None: the proxy's default, the policy)."""
+    agents' calls (None: the proxy's default, the policy); `limits`: each episode's (None: the defaults)."""
     specs: list[EpisodeSpec] = []
     policy = policies(on_failure)
     for task in (replace(t, solution=None, metadata={}) for t in tasks):  # the fix, its origin: never in an episode
@@ -74,7 +76,8 @@ def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, p
                 specs.append(EpisodeSpec(
                     run_id=run_id, episode=episode, task=task, adapter=adapter, attempt=attempt, proxy_url=proxy_url,
                     out_dir=str(ep_dir), workdir=str(ep_dir / "work"), home=str(ep_dir / "home"),
-                    fresh_verify_copy=fresh_verify_copy, on_failure=policy, sandbox=sandbox, role=role))
+                    fresh_verify_copy=fresh_verify_copy, on_failure=policy, sandbox=sandbox, role=role,
+                    limits=limits if limits is not None else Limits()))
     if len({s.episode for s in specs}) != len(specs):
         raise RolloutError("two episodes got the same id (task and toolchain names that run together): rename one")
     return specs
@@ -197,6 +200,7 @@ def group_stats(results: Sequence[EpisodeResult], threshold: float, on_failure: 
         if units else None,
         "failures": dict(sorted(Counter(r.status for r in results if r.status != EpisodeStatus.OK).items())),
         "failure_classes": dict(sorted(Counter(c for r in results if (c := classify(r))).items())),
+        "resources": dict(sorted(Counter(r.resource for r in results if r.resource).items())),
         "seconds": round(sum(seconds), 3),
         "mean_seconds": round(sum(seconds) / len(seconds), 3) if seconds else None,
     }
@@ -217,7 +221,17 @@ def summarize(results: Sequence[EpisodeResult], *, run_id: str, attempts: int, p
         "toolchains": {k: group_stats(v, pass_threshold, on_failure) for k, v in by_toolchain.items()},
         "overall": group_stats(results, pass_threshold, on_failure),
         "rewards_posted": sum(r.reward_posted for r in results),
+        "limits": enforced_limits(results),
     }
+
+
+def enforced_limits(results: Sequence[EpisodeResult]) -> dict[str, dict[str, int]]:
+    """Per limit, how it was enforced and in how many episodes ({"memory": {"4GiB by cgroup v2": 8}})."""
+    found: dict[str, Counter[str]] = defaultdict(Counter)
+    for r in results:
+        for limit, how in r.limits.items():
+            found[limit][how] += 1
+    return {k: dict(v.most_common()) for k, v in found.items()}
 
 
 @dataclass
@@ -288,10 +302,11 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
             attempts: int = 1, concurrency: int = 1, on_failure: OnFailure = "default", fresh_verify_copy: bool = False,
             pass_threshold: float = 1.0, backend: str = "local", run_id: str | None = None,
             sandbox: str = "bwrap", client_token: str | None = None,
-            reward_token: str | None = None, role: str | None = None) -> tuple[str, list[EpisodeSpec]]:
+            reward_token: str | None = None, role: str | None = None,
+            limits: Limits | None = None) -> tuple[str, list[EpisodeSpec]]:
     """Check every input and plan the episodes: (run id, specs); RolloutError for bad input, or for a
     sandbox that cannot run here. The tokens are `execute`'s (accepted here so all three functions take the
-    same keyword arguments)."""
+    same keyword arguments); `limits`: each episode's (None: the defaults, docs/rollouts.md, Limits)."""
     if attempts < 1 or concurrency < 1:
         raise RolloutError("--attempts and --concurrency must be >= 1")
     try:
@@ -304,6 +319,10 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
         raise RolloutError("--pass-threshold must be a finite number")
     if not proxy.startswith(("http://", "https://")):
         raise RolloutError(f"--proxy must be the proxy's http(s) URL, not {proxy!r}")
+    try:
+        limits = parse_limits(dataclasses.asdict(limits), Limits.none()) if limits is not None else Limits()
+    except ValueError as e:
+        raise RolloutError(f"limits: {e}") from None
     try:
         task_list = read_tasks(tasks) if isinstance(tasks, (str, Path)) else list(tasks)
         adapters = [t if isinstance(t, Adapter) else resolve(t) for t in toolchains]
@@ -320,7 +339,7 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
     mode = check_sandbox(sandbox, backend)
     run_id = run_id or new_run_id()
     specs = plan(task_list, adapters, attempts, proxy_url=proxy.rstrip("/"), out=Path(out), run_id=run_id,
-                 fresh_verify_copy=fresh_verify_copy, on_failure=on_failure, sandbox=mode, role=role)
+                 fresh_verify_copy=fresh_verify_copy, on_failure=on_failure, sandbox=mode, role=role, limits=limits)
     if not specs:
         raise RolloutError("no episode to run: every task's 'toolchains' excludes the toolchains given")
     return run_id, specs
@@ -361,15 +380,16 @@ def run(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapter],
         pass_threshold: float = 1.0, backend: str = "local", k8s_options: K8sOptions | None = None,
         run_id: str | None = None, on_done: Callable[[EpisodeResult], None] = lambda r: None,
         sandbox: str = "bwrap", client_token: str | None = None, reward_token: str | None = None,
-        role: str | None = None) -> Rollout:
+        role: str | None = None, limits: Limits | None = None) -> Rollout:
     """`openforge rollout` as a function (docs/rollouts.md): `prepare`, `check_proxy` (local), then
-    `execute`; `role`: the proxy's role for the agents' calls (a validator's, say). Tokens: the arguments,
+    `execute`; `role`: the proxy's role for the agents' calls (a validator's, say); `limits`: each
+    episode's (None: the defaults). Tokens: the arguments,
     else $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN; RolloutError for bad input, a sandbox that
     cannot run here or a proxy that does not answer (nothing run)."""
     run_id, specs = prepare(tasks, toolchains, proxy=proxy, out=out, attempts=attempts, concurrency=concurrency,
                             on_failure=on_failure, fresh_verify_copy=fresh_verify_copy,
                             pass_threshold=pass_threshold, backend=backend, run_id=run_id, sandbox=sandbox,
-                            role=role)
+                            role=role, limits=limits)
     client_token, reward_token = tokens(client_token, reward_token)
     if backend == "local":
         check_proxy(proxy, client_token, reward_token)

@@ -15,7 +15,9 @@ from typing import Any
 
 from openforge.rollout.failures import DEFAULT_POLICY, STATUS_CLASS, policies
 
-SPEC_VERSION = 1
+SPEC_VERSION = 2  # 2: `limits`; a version-1 spec (no limits) is still read
+READ_VERSIONS = (1, SPEC_VERSION)
+MiB, GiB = 2**20, 2**30
 CLIENT_TOKEN_ENV = "OPENFORGE_CLIENT_TOKEN"
 REWARD_TOKEN_ENV = "OPENFORGE_REWARD_TOKEN"
 # The entrypoint's last stdout line: this marker and its EpisodeResult as JSON (a Job's pod log is all the
@@ -55,6 +57,27 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What one episode may use (docs/rollouts.md, Limits); 0 is no limit. The defaults fit two episodes at
+    once beside an engine on a 2-core, 24 GiB machine. `memory`, `disk` and `output` are bytes; `memory`,
+    `pids` and `cpus` hold the agent's and the verifier's processes together; `output` is stdout and stderr
+    together; `calls` and `tokens` are the proxy's per-episode budget."""
+
+    memory: int = 4 * GiB
+    pids: int = 512
+    disk: int = 1 * GiB
+    output: int = 8 * MiB
+    cpus: float = 1.0
+    calls: int = 200
+    tokens: int = 0
+
+    @classmethod
+    def none(cls) -> Limits:
+        """No limit at all: what an older spec, or one built by hand, runs under."""
+        return cls(memory=0, pids=0, disk=0, output=0, cpus=0.0, calls=0, tokens=0)
+
+
+@dataclass(frozen=True)
 class EpisodeSpec:
     """One attempt of one task by one toolchain. `episode` is the proxy's episode id (its calls are grouped
     by the `/e/<episode>/` prefix of `base_url`); `proxy_url` is the proxy's own base URL (rewards)."""
@@ -74,6 +97,7 @@ class EpisodeSpec:
     sandbox: str = "none"  # how the agent and verifier are confined (sandbox.py); the runner always sets it
     version: int = SPEC_VERSION
     role: str | None = None  # the proxy's role for the agent's calls (a `/r/<role>/` prefix); None: its default
+    limits: Limits = field(default_factory=Limits.none)  # the runner sets them; none in older specs
 
     @property
     def base_url(self) -> str:
@@ -90,14 +114,16 @@ class EpisodeSpec:
     @classmethod
     def from_json(cls, text: str) -> EpisodeSpec:
         data = json.loads(text)
-        if data.get("version") != SPEC_VERSION:
-            raise ValueError(f"episode spec version {data.get('version')!r}, this OpenForge reads {SPEC_VERSION}")
+        if data.get("version") not in READ_VERSIONS:
+            raise ValueError(f"episode spec version {data.get('version')!r}, this OpenForge reads "
+                             f"{' and '.join(map(str, READ_VERSIONS))}")
         task = dict(data.pop("task"))
         task["toolchains"] = tuple(task["toolchains"]) if task.get("toolchains") is not None else None
         task["editable"] = tuple(task.get("editable", ()))
         adapter = dict(data.pop("adapter"))
         adapter["command"] = tuple(adapter["command"])
         data["on_failure"] = policies(data.get("on_failure"))  # older specs: one policy for every class
+        data["limits"] = Limits(**data["limits"]) if "limits" in data else Limits.none()
         return cls(task=Task(**task), adapter=Adapter(**adapter), **data)
 
     @classmethod
@@ -110,9 +136,11 @@ class EpisodeResult:
     """What the entrypoint writes to `<out_dir>/result.json`. `status`: ok (agent exited 0 and the verifier
     gave a reward), agent_failed (non-zero exit), timeout, crashed (could not start), verify_failed (no
     reward from the verifier: garbage, timeout, crash), engine_error (the engine or proxy failed one of its
-    calls). `reward` is the verifier's, None when it gave none; `failure_class` (failures.py) None when ok;
-    `calls`: the proxy's count of the episode's calls by answer status ("none": unanswered), None when it
-    could not say; `verify_exit_code` and `verify_stderr` (its tail) once the verifier ran."""
+    calls), resource (a limit stopped the agent: `resource` says which). `reward` is the verifier's, None
+    when it gave none; `failure_class` (failures.py) None when ok; `calls`: the proxy's count of the
+    episode's calls by answer status ("none": unanswered), None when it could not say; `verify_exit_code`
+    and `verify_stderr` (its tail) once the verifier ran; `resource`: memory, pids, disk, output or calls;
+    `limits`: each limit set and what enforced it here ("256MiB by cgroup v1")."""
 
     episode: str
     task_id: str
@@ -129,6 +157,8 @@ class EpisodeResult:
     calls: dict[str, int] | None = None
     verify_exit_code: int | None = None
     verify_stderr: str = ""
+    resource: str | None = None
+    limits: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def unrewarded(cls, spec: EpisodeSpec, status: str, reason: str) -> EpisodeResult:
