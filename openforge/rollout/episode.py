@@ -38,6 +38,7 @@ from openforge.protocols.control import CallsAnswer, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout import sandbox
 from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
+from openforge.rollout.bounded import BoundedDirs, private_mounts, read_tail, special_files
 from openforge.rollout.failures import (
     EpisodeStatus,
     answered,
@@ -47,7 +48,7 @@ from openforge.rollout.failures import (
     over_budget,
     policies,
 )
-from openforge.rollout.limits import BoundedDirs, EpisodeLimits, Fired, Step, private_mounts, read_tail, special_files
+from openforge.rollout.limits import EpisodeLimits, Fired, Step
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec, Limits
 from openforge.rollout.tasks import relative_path
 
@@ -394,7 +395,7 @@ def _classified(result: EpisodeResult, calls: Mapping[str, Any] | None) -> Episo
 def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, str] | None = None, *,
                 mounts: bool = False) -> EpisodeResult:
     """Run the episode, post its reward (the verifier's, or 0.0 for a failure whose class's policy is zero),
-    write result.json. `mounts`: this process has a mount namespace of its own (`limits.private_mounts`), so
+    write result.json. `mounts`: this process has a mount namespace of its own (`bounded.private_mounts`), so
     the disk limit can be a bounded file system."""
     parent = os.environ if parent_env is None else parent_env
     out = Path(spec.out_dir)

@@ -11,8 +11,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from openforge.rollout.bounded import read_tail
 from openforge.rollout.failures import EpisodeStatus
-from openforge.rollout.limits import read_tail
 from openforge.rollout.spec import EpisodeResult
 
 MAX_CAUSE = 300  # characters of the CLI's own line kept in the message

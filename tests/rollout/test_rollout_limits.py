@@ -28,9 +28,11 @@ import pytest
 from rich.console import Console
 
 from openforge.rollout import k8s
+from openforge.rollout.cgroups import Cgroup, Hierarchy, hierarchies
 from openforge.rollout.episode import Secrets, run_episode
-from openforge.rollout.limits import Cgroup, Hierarchy, format_size, hierarchies, parse_limits, parse_size
+from openforge.rollout.limits import parse_limits
 from openforge.rollout.runner import summarize
+from openforge.rollout.sizes import format_size, parse_size
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Limits, Task
 from openforge.testing import ROOT
 from openforge.testing.toolchain_engine import ToolchainEngine
