@@ -1,4 +1,5 @@
-"""Who may use the proxy: client tokens (the agent's API key), reward tokens (the verifier's), listen address.
+"""Who may use the proxy: client tokens (the operator's and the agent's API key), episode keys derived from them
+(one episode's agent: `openforge.protocols.client_keys`), reward tokens (the verifier's), listen address.
 
 A client presents its token where it would present an API key, so an unmodified toolchain needs nothing
 but its key set to the token. Tokens are compared in constant time; nothing here logs a token.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Iterable
+
+from openforge.protocols import client_keys
 
 MIN_TOKEN_CHARS = 16
 # Headers a client puts its API key in: OpenAI / most SDKs (Bearer), Anthropic, Azure OpenAI.
@@ -53,6 +56,14 @@ def matches(candidates: Iterable[bytes | str], tokens: tuple[bytes, ...]) -> boo
         for token in tokens:
             hit |= hmac.compare_digest(value, token)
     return hit
+
+
+def key_episode(candidates: Iterable[bytes], tokens: tuple[bytes, ...]) -> str | None:
+    """The episode whose key (`client_keys.episode_client_key` under one of `tokens`) is among `candidates`."""
+    for candidate in candidates:
+        if (episode := client_keys.key_episode(candidate, tokens)) is not None:
+            return episode
+    return None
 
 
 def is_loopback(host: str) -> bool:

@@ -102,6 +102,10 @@ SPECS = (
                "stamped on every exchange record; the control API (PUT /openforge/v1/policy) changes it."),
     OptionSpec("openforge_pause_timeout", "300", "Seconds a new LLM call may wait while the proxy is paused for a "
                "weight update (POST /openforge/v1/pause) before it is answered 503; a pause may set its own."),
+    OptionSpec("openforge_episode_max_calls", "0", "LLM calls an episode may make (0: no limit); past it a call is "
+               "refused with 403 in the client's protocol and recorded as refused."),
+    OptionSpec("openforge_episode_max_tokens", "0", "Tokens (prompt + completion, from the answers' usage) an episode "
+               "may use (0: no limit); once past it, its next calls are refused like openforge_episode_max_calls."),
     OptionSpec("openforge_allow_paths", "", "Comma-separated engine paths (fnmatch patterns, e.g. /health,"
                "/tokenize) forwarded besides the LLM endpoints; every other path is refused with 403."),
 )
@@ -188,6 +192,8 @@ class Settings:
     policy_version: int = 0
     pause_timeout: float = 300.0
     engine_prompt_ids: bool = True
+    episode_max_calls: int = 0
+    episode_max_tokens: int = 0
     _by_role: dict[str, Settings] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -299,6 +305,8 @@ def parse(values: dict[str, str]) -> Settings:
         policy_version=_policy_version(get("openforge_policy_version")),
         pause_timeout=_pause_timeout(get("openforge_pause_timeout")),
         engine_prompt_ids=_bool("openforge_engine_prompt_ids", get("openforge_engine_prompt_ids")),
+        episode_max_calls=_count("openforge_episode_max_calls", get("openforge_episode_max_calls")),
+        episode_max_tokens=_count("openforge_episode_max_tokens", get("openforge_episode_max_tokens")),
     )
 
 
@@ -381,6 +389,12 @@ def _policy_version(value: str) -> int:
         raise BadOption(f"openforge_policy_version must be an integer from 0 to {MAX_POLICY_VERSION - 1}, "
                         f"got {value!r}")
     return version
+
+
+def _count(name: str, value: str) -> int:
+    if not (value.isascii() and value.isdigit()) or int(value) >= 1 << 62:
+        raise BadOption(f"{name} must be a whole number (0: no limit), got {value!r}")
+    return int(value)
 
 
 def pause_timeout(value: object) -> float | None:

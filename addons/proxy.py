@@ -319,12 +319,19 @@ class OpenForge:
         if direct:
             path, prefixes = endpoints.strip_prefixes(path)
         kind = endpoints.classify(req.method, path) if (direct or vendor) else None
-        if s.client_tokens and not access.matches(access.presented(req.headers.fields, prefixes.token),
-                                                  s.client_tokens):  # in every mode, to every host
-            self._refuse(flow, s, kind or endpoints.classify(req.method, path), path, prefixes, 401,
-                         "OpenForge: missing or unknown API key: present one of the proxy's client tokens as the "
-                         "API key", "invalid_api_key")
-            return None
+        scope = None  # the episode an episode key opens; None for a client token (or no check)
+        if s.client_tokens:  # in every mode, to every host
+            given = access.presented(req.headers.fields, prefixes.token)
+            if not access.matches(given, s.client_tokens):
+                scope = access.key_episode(given, s.client_tokens)
+                if scope is None:
+                    self._refuse(flow, s, kind or endpoints.classify(req.method, path), path, prefixes, 401,
+                                 "OpenForge: missing or unknown API key: present one of the proxy's client tokens "
+                                 "as the API key", "invalid_api_key")
+                    return None
+                if not (direct and kind is not None):
+                    self._refuse_scope(flow, s, kind or endpoints.classify(req.method, path), path, prefixes, scope)
+                    return None
         if not (direct or vendor or s.host_allowed(host)):  # forward mode is an LLM gateway, not an open proxy
             self._refuse(flow, s, endpoints.classify(req.method, path), path, prefixes, 403,
                          f"OpenForge: {host} is not an LLM vendor host: forward mode reaches only "
@@ -351,6 +358,14 @@ class OpenForge:
         protocol, canonical = kind
         ex = self._new(flow, protocol, path)
         self._describe(flow, ex, prefixes, s)
+        if scope is not None and (ex.episode != scope or ex.role != s.default_role):
+            self._refuse_scope(flow, s, kind, path, prefixes, scope)
+            return None
+        over = self.recorder.episode_calls.admit(ex.episode, s.episode_max_calls, s.episode_max_tokens)
+        if over is not None:  # 403: SDKs retry 429 and 5xx, and a budget does not come back
+            self._answer(flow, ex, 403, over, "budget_exhausted")
+            _mask_request(req)
+            return None
         self._check_route(s, ex.role)
         self.recorder.track(flow, ex)
         rs = s.for_role(ex.role)
@@ -377,6 +392,19 @@ class OpenForge:
         ex = self._new(flow, kind[0] if kind else "other", path)
         self._describe(flow, ex, prefixes, s)
         self._answer(flow, ex, status, message, error_kind)
+        _mask_request(flow.request)
+
+    def _refuse_scope(self, flow: http.HTTPFlow, s: options.Settings, kind: tuple[str, str] | None, path: str,
+                      prefixes: endpoints.Prefixes, scope: str) -> None:
+        """Refuse (403) a request made with `scope`'s episode key outside what it opens; recorded and counted as
+        that episode's, whichever episode or role it named."""
+        ex = self._new(flow, kind[0] if kind else "other", path)
+        self._describe(flow, ex, prefixes, s)
+        tried = f"episode {ex.episode!r} as role {ex.role!r}" if kind is not None and self._is_direct(flow) else path
+        ex.episode, ex.episode_source = scope, "key"
+        self.recorder.episode_calls.refused_scope(scope)
+        self._answer(flow, ex, 403, f"OpenForge: this key opens only episode {scope!r}'s own LLM calls "
+                     f"(/e/{scope}/...) as role {s.default_role!r}, not {wire.printable(tried)}", "permission_error")
         _mask_request(flow.request)
 
     def _new(self, flow: http.HTTPFlow, protocol: str, path: str) -> Exchange:

@@ -52,6 +52,7 @@ class Recorder:
 
     def configure(self, s: options.Settings) -> None:
         """Open the flow file's writer, again when its directory, size, fsync interval or key changed."""
+        self.episode_calls.count_tokens = s.episode_max_tokens > 0
         where = (s.flow_dir, s.flow_max_bytes, s.fsync_interval, s.flow_key)
         if where == self._where:
             return

@@ -54,12 +54,18 @@ class CallError(TypedDict):
 
 
 class CallsAnswer(TypedDict):
-    """`GET .../<episode>/calls`: answers by status (as a string, "none" for no answer), the last errors."""
+    """`GET .../<episode>/calls`: answers by status (as a string, "none" for no answer), the last errors; the
+    tokens its answers used (prompt + completion, from their usage); its calls refused past the episode's
+    budget (`openforge_episode_max_calls` / `_tokens`) and those its key was not scoped to (another episode,
+    role or path)."""
 
     episode: str
     calls: int
     statuses: dict[str, int]
     errors: list[CallError]
+    tokens: int
+    refused_budget: int
+    refused_scope: int
 
 
 class PolicyBody(TypedDict):
