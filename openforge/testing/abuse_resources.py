@@ -9,6 +9,8 @@ it goes (`abuse: <what> <count so far>`), so a test sees where the limit stopped
 - disk: write 200 MiB to `fill.bin` in its workspace, and exit 0 whatever the writes answered;
 - output: print 50 MiB to stdout;
 - calls: make 50 more LLM calls, whatever they answer;
+- scope: call as another episode (`/e/<its episode>-sibling/`) and as the validator role (`/r/validator/`)
+  with the key it holds, and report both answers' statuses;
 - none: nothing more: an honest agent, which writes the call's answer status to `transcript.json`.
 
 It exits 0 when it could not take more (the limit said no), so nothing but the limit decides the episode.
@@ -107,13 +109,19 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--key", required=True)
-    parser.add_argument("--abuse", choices=("memory", "pids", "disk", "output", "calls", "none"), required=True)
+    parser.add_argument("--abuse", choices=("memory", "pids", "disk", "output", "calls", "scope", "none"),
+                        required=True)
     args = parser.parse_args()
     status = call(args.base_url, args.key)
     report("honest_call_status", status)
     if args.abuse == "none":
         with open("transcript.json", "w") as f:
             json.dump({"status": status}, f)
+    elif args.abuse == "scope":
+        base = args.base_url.rstrip("/")
+        head, sep, episode = base.rpartition("/e/")
+        report("sibling_status", call(f"{head}{sep}{episode}-sibling", args.key))
+        report("validator_status", call(f"{base}/r/validator", args.key))
     elif args.abuse == "calls":
         for n in range(1, CALLS + 1):
             report(f"call_{n}_status", call(args.base_url, args.key))

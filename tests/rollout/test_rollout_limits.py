@@ -291,7 +291,7 @@ def abuse_adapters(directory: Path) -> list[str]:
     """--toolchain arguments: one custom toolchain per abuse (named abuse-<what>, the adapter file's stem) and
     the same script without abuse (`abuse-none`, honest, standard library only)."""
     names = []
-    for what in (*ABUSES, "none"):
+    for what in (*ABUSES, "scope", "none"):
         path = directory / f"abuse-{what}.toml"
         path.write_text(f'command = ["{{python}}", "{ABUSER}", "--base-url", "{{base_url}}", "--key", "{{api_key}}", '
                         f'"--abuse", "{what}"]\n')
@@ -407,6 +407,10 @@ def check_abuses(results: dict[str, dict[str, Any]], episodes: dict[str, Path], 
         assert r["reward"] in (None, 0.0), r  # scored 0.0 (posted): the agent's failure, or its verifier's no
         if what in ("disk", "output", "calls") or cgroups:
             assert (r["status"], r["resource"]) == ("resource", what), r
+    scope = results["abuse-scope"]  # its key opens its own episode's calls as the policy role only
+    assert (progress(episodes["abuse-scope"], "sibling_status"), progress(episodes["abuse-scope"], "validator_status"),
+            progress(episodes["abuse-scope"], "honest_call_status")) == (403, 403, 200)
+    assert scope["reward"] == 0.0 and scope["reward_posted"], scope
     assert progress(episodes["abuse-memory"], "memory_mib") <= 256  # of the 2048 MiB it went for
     assert progress(episodes["abuse-pids"], "forked") < 64  # of 3000
     assert (episodes["abuse-disk"] / "work" / "fill.bin").stat().st_size <= 64 * MiB  # of 200 MiB
