@@ -14,6 +14,10 @@ An `env` variable named like a credential (`SECRET_NAME`: `*_API_KEY`, `*_TOKEN`
 only be `{api_key}`, the agent's own proxy key: the agent reads its whole environment, so a literal secret in
 a toolchain file would be the agent's too.
 
+`readonly` and `writable` (lists of absolute paths, placeholders allowed) are bound into a bwrap sandbox beside
+what it binds anyway (the system, Python, the tools directory, and the installation a command named by
+absolute path resolves into: `sandbox.install_roots`): the directories a CLI installed elsewhere needs.
+
 These files are also how `toolchains/run.py` runs the CLIs outside a rollout (tests, trace capture): both
 render them with `render_adapter`.
 """
@@ -37,7 +41,7 @@ PLACEHOLDERS = ("prompt", "workdir", "episode", "base_url", "api_key", "home", "
 MODEL = "local-model"  # any engine of ours takes it; the proxy's route options map it to a served model
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 CUSTOM = "custom:"
-KEYS = {"command", "env", "config_files"}
+KEYS = {"command", "env", "config_files", "readonly", "writable"}
 
 
 class AdapterError(ValueError):
@@ -107,7 +111,17 @@ def parse_adapter(name: str, data: dict[str, Any], source: str) -> Adapter:
     for path in tables["config_files"]:
         if why := relative_path(path):
             raise AdapterError(f"{source}: key 'config_files.{path}': {why.replace('workspace', 'home')}")
-    return Adapter(name=name, command=tuple(command), env=tables["env"], config_files=tables["config_files"])
+    paths: dict[str, tuple[str, ...]] = {}
+    for key in ("readonly", "writable"):
+        listed = data.get(key, [])
+        if not isinstance(listed, list) or not all(isinstance(p, str) and (p.startswith(("/", "{"))) for p in listed):
+            raise AdapterError(f"{source}: key '{key}': must be a list of absolute paths (placeholders allowed: "
+                               '"/opt/x", "{home}/.cache")')
+        for i, path in enumerate(listed):
+            _check_placeholders(f"{source}: key '{key}[{i}]'", path)
+        paths[key] = tuple(listed)
+    return Adapter(name=name, command=tuple(command), env=tables["env"], config_files=tables["config_files"],
+                   readonly=paths["readonly"], writable=paths["writable"])
 
 
 def load_adapter_file(path: str | Path, name: str | None = None) -> Adapter:

@@ -20,10 +20,13 @@ The agent is the adversary (docs/rollouts.md, Sandbox). Three modes:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -33,10 +36,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from openforge.rollout import seccomp
+
 MODES = ("bwrap", "uid", "none")
 SOCKET_IN_SANDBOX = "/run/openforge/proxy.sock"
 NOBODY = 65534  # the uid and gid the agent runs as in `uid` mode
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# A user namespace whose only user is NOBODY (as root too: bwrap started by root otherwise keeps every capability
+# inside), every capability dropped, bounding set included; bwrap sets no-new-privileges itself.
+UNPRIVILEGED = ("--unshare-user", "--uid", str(65534), "--gid", str(65534), "--cap-drop", "ALL")
+# Kernel settings and triggers the sandbox's own /proc would leave writable to a uid that maps to root outside.
+PROC_READONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
 INSTALL_HINT = "install bubblewrap (apt-get install bubblewrap), or run with --no-sandbox"
 NOT_PROTECTED = (
     "warning: --no-sandbox: agents run as plain processes of your user; nothing keeps them from reading the "
@@ -111,8 +121,77 @@ def unavailable(mode: str) -> str | None:
             why = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
             return (f"bubblewrap cannot create namespaces here ({why}); allow unprivileged user namespaces "
                     f"(sysctl kernel.unprivileged_userns_clone=1), or run with --no-sandbox")
+        return privileges_left()
     elif mode == "uid" and os.geteuid() != 0:
         return "sandbox 'uid' needs the episode process to run as root (it starts agents as another user)"
+    return None
+
+
+# What the probe reads inside the sandbox: its status, and whether a sysctl or a root-only file is open to it.
+PROBE = ("cat /proc/self/status; test -w /proc/sys/vm/drop_caches && echo SYSCTL OPEN; "
+         "test -s /etc/shadow && head -c1 /etc/shadow >/dev/null 2>&1 && echo SHADOW OPEN; true")
+
+
+@functools.cache
+def root_only_files() -> tuple[tuple[str, bool], ...]:
+    """(path, is a directory) of what in /etc only root may read (`shadow`, `ssl/private`, ...), when this
+    process is root: started by root, bwrap maps the sandbox's user to root outside, and though it holds no
+    capability, file permissions see it as the owner of root's files. Masked in the sandbox: an empty file or
+    directory. Nothing to mask for another user."""
+    if os.geteuid() != 0:
+        return ()
+    found: list[tuple[str, bool]] = []
+    for top, dirs, files in os.walk("/etc"):
+        for name in [*dirs, *files]:
+            path = os.path.join(top, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode) or st.st_mode & stat.S_IROTH:
+                continue
+            found.append((path, stat.S_ISDIR(st.st_mode)))
+        dirs[:] = [d for d in dirs if (os.path.join(top, d), True) not in found]
+    return tuple(found)
+
+
+@functools.cache
+def seccomp_program() -> bytes:
+    """The sandbox's seccomp filter (`seccomp.py`), built once per process."""
+    return seccomp.program()
+
+
+@functools.cache
+def privileges_left() -> str | None:
+    """Why the sandbox as `bwrap_command` makes it would leave its command a privilege, or None: the real
+    command line, run once per process, must show no capability (effective, permitted, bounding, ambient),
+    no-new-privileges and the seccomp filter in the command's own /proc/self/status."""
+    try:
+        fd = seccomp.program_fd(seccomp_program())
+    except seccomp.SeccompUnavailable as e:
+        return f"the sandbox's seccomp filter cannot be built: {e}; or run with --no-sandbox"
+    try:
+        probe = subprocess.run(bwrap_command(["sh", "-c", PROBE], cwd=Path("/"), writable=[], readonly=[],
+                                             hidden=[], seccomp_fd=fd), pass_fds=(fd,), capture_output=True,
+                               text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bubblewrap cannot run its sandbox here ({e}): {INSTALL_HINT}"
+    finally:
+        os.close(fd)
+    status = dict(line.split(":", 1) for line in probe.stdout.splitlines() if ":" in line)
+    if probe.returncode != 0 or "CapEff" not in status:
+        why = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
+        return f"bubblewrap cannot start an unprivileged sandbox here ({why}); or run with --no-sandbox"
+    held = [f"{name} {status[name].strip()}" for name in ("CapEff", "CapPrm", "CapBnd", "CapAmb")
+            if int(status[name], 16)]
+    if held:
+        return (f"the bwrap sandbox would leave the agent capabilities ({', '.join(held)}): this bubblewrap "
+                "ignores --cap-drop or --unshare-user; refusing to run agents with privileges")
+    if " OPEN" in probe.stdout:
+        return "the bwrap sandbox would leave /proc/sys or /etc/shadow to the agent; refusing to run agents with them"
+    if status.get("NoNewPrivs", "").strip() != "1" or status.get("Seccomp", "").strip() != "2":
+        return ("the bwrap sandbox would run the agent without no-new-privileges or its seccomp filter "
+                f"(NoNewPrivs {status.get('NoNewPrivs', '?').strip()}, Seccomp {status.get('Seccomp', '?').strip()})")
     return None
 
 
@@ -133,6 +212,63 @@ def named_files(argv: Iterable[str]) -> list[Path]:
     return [Path(a) for a in argv if a.startswith("/") and "\0" not in a and os.path.isfile(a)]
 
 
+def install_roots(files: Iterable[Path]) -> list[Path]:
+    """The installations the named files belong to, bound read-only with them: the top-most `node_modules`
+    their real path lies in (an npm `.bin` link points into its package, whose dependencies sit beside it), and
+    the virtual environment of a script whose `#!` names an interpreter in one (with the Python it was made
+    from, `home` in its `pyvenv.cfg`)."""
+    roots: set[Path] = set()
+    for named in files:
+        for path in {named.resolve(), Path(os.path.abspath(named))}:
+            tops = [p for p in path.parents if p.name == "node_modules"]
+            if tops:
+                roots.add(tops[-1])
+        roots.update(_venv_of(named))
+    return sorted(roots)
+
+
+def _venv_of(script: Path) -> list[Path]:
+    """The venv (and its base Python's prefix) a script's `#!` interpreter lives in; [] for anything else."""
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return []
+    if not first.startswith(b"#!"):
+        return []
+    interpreter = Path(first[2:].split()[0].decode(errors="replace")) if first[2:].split() else None
+    if interpreter is None or not interpreter.is_absolute():
+        return []
+    venv = next((p for p in interpreter.parents if (p / "pyvenv.cfg").is_file()), None)
+    if venv is None:
+        return []
+    found = [venv]
+    for line in (venv / "pyvenv.cfg").read_text(errors="replace").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "home" and os.path.isdir(value.strip()):
+            found.append(Path(value.strip()).resolve().parent)
+    return found
+
+
+MISSING = re.compile(r"Cannot find (?:module|package) '([^']+)'(?: imported from (\S+))?|"
+                     r"ModuleNotFoundError: No module named '([^']+)'|(/\S+): (?:No such file or directory|not found)")
+
+
+def missing_path_hint(stderr: str) -> str | None:
+    """For a CLI that could not start in the sandbox: what it looked for, and how to bind it; None when its
+    stderr says nothing of the kind."""
+    found = list(MISSING.finditer(stderr[-8192:]))
+    if not found:
+        return None
+    match = found[-1]
+    module, where, python_module, path = match.groups()
+    what = (f"{module!r}" + (f" (from {where})" if where else "")) if module else (
+        f"Python module {python_module!r}" if python_module else path)
+    return (f"the CLI could not find {what} in the sandbox, which binds only the system, Python, the tools "
+            "directory and the installation of a command named by absolute path: add the directory it is in to "
+            'the adapter\'s readonly = ["/path/to/it"] (docs/rollouts.md, Toolchains: adapters)')
+
+
 def _depth(path: str) -> int:
     return len(Path(path).parts)
 
@@ -143,8 +279,9 @@ def _inside(path: str, root: str) -> bool:
 
 
 def bwrap_command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], readonly: Sequence[Path],
-                  hidden: Sequence[Path], relay: ProxyRelay | None = None) -> list[str]:
-    """`argv` inside a new bwrap sandbox. Mounts are made shallow first, so a deeper one wins: a hidden
+                  hidden: Sequence[Path], relay: ProxyRelay | None = None, seccomp_fd: int | None = None) -> list[str]:
+    """`argv` inside a new bwrap sandbox, with no privileges (`UNPRIVILEGED`, `/proc/sys` read-only, the
+    `seccomp.py` filter read from `seccomp_fd`). Mounts are made shallow first, so a deeper one wins: a hidden
     directory inside a read-only one is an empty tmpfs, a workspace inside a hidden one is there again.
     With `relay`, the sandbox's first process is the forwarder to it (the proxy on 127.0.0.1 at its port);
     without, the command has no network at all."""
@@ -152,6 +289,10 @@ def bwrap_command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], r
     for d in SYSTEM_DIRS:
         mounts.append((_depth(d), 0, ["--ro-bind-try", d, d]))
     mounts += [(1, 1, ["--dev", "/dev"]), (1, 1, ["--proc", "/proc"]), (1, 1, ["--tmpfs", "/tmp"])]
+    mounts += [(_depth(p), 0, ["--ro-bind-try", p, p]) for p in PROC_READONLY]
+    for path, is_dir in root_only_files():  # the agent's uid is root outside: it would read them as their owner
+        mounts.append((_depth(path), 1, ["--tmpfs", path, "--remount-ro", path] if is_dir
+                       else ["--ro-bind", "/dev/null", path]))
     ro = {dest: p for p in readonly for dest in (str(p.resolve()), os.path.abspath(p))}
     hide = {h for h in {str(p.resolve()) for p in hidden} if any(_inside(h, r) for r in ro)}
     for dest, src in ro.items():  # not again inside a read-only one (no mount point can be made there)
@@ -161,8 +302,10 @@ def bwrap_command(argv: Sequence[str], *, cwd: Path, writable: Sequence[Path], r
     mounts += [(_depth(h), 1, ["--tmpfs", h]) for h in hide]
     for w in {str(p.resolve()) for p in writable}:
         mounts.append((_depth(w), 2, ["--bind", w, w]))
-    command = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-               "--die-with-parent", "--new-session", "--hostname", "openforge"]
+    command = ["bwrap", *UNPRIVILEGED, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+               "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "openforge"]
+    if seccomp_fd is not None:
+        command += ["--seccomp", str(seccomp_fd)]
     for _, _, args in sorted(mounts, key=lambda m: (m[0], m[1])):
         command += args
     command += ["--chdir", str(cwd.resolve())]

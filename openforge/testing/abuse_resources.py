@@ -9,6 +9,9 @@ it goes (`abuse: <what> <count so far>`), so a test sees where the limit stopped
 - disk: write 200 MiB to `fill.bin` in its workspace, and exit 0 whatever the writes answered;
 - output: print 50 MiB to stdout;
 - calls: make 50 more LLM calls, whatever they answer;
+- privileges: use what a root process would hold: report its effective capabilities, then try to read
+  `/etc/shadow`, write a sysctl (`vm/drop_caches`), open `kernel/core_pattern` for writing (never writing it), mount a tmpfs, make a
+  block device node, enter a new user namespace and ptrace itself; each `blocked` or `succeeded`;
 - scope: call as another episode (`/e/<its episode>-sibling/`) and as the validator role (`/r/validator/`)
   with the key it holds, and report both answers' statuses;
 - none: nothing more: an honest agent, which writes the call's answer status to `transcript.json`.
@@ -26,6 +29,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 MiB = 2**20
 MEMORY = 2048 * MiB
@@ -105,11 +109,53 @@ def output() -> None:
     sys.stdout.flush()
 
 
+def privileges() -> None:
+    """Each privileged act, `abuse: privilege <act> blocked|succeeded` (the capability mask as a number)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    report("cap_eff", int(status["CapEff"], 16))
+
+    def attempt(act: str, fn: Callable[[], object]) -> None:
+        try:
+            ok = fn() not in (False, -1)
+        except OSError:
+            ok = False
+        print(f"abuse: privilege {act} {'succeeded' if ok else 'blocked'}", file=sys.stderr, flush=True)
+
+    def sysctl() -> bool:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return True
+
+    def core_pattern() -> bool:  # opened for writing and closed: nothing is written
+        os.close(os.open("/proc/sys/kernel/core_pattern", os.O_WRONLY))
+        return True
+
+    def shadow() -> bool:
+        with open("/etc/shadow", "rb") as f:
+            return bool(f.read(1))
+
+    attempt("shadow", shadow)
+    attempt("sysctl", sysctl)
+    attempt("core_pattern", core_pattern)
+    attempt("mount", lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+    def mknod() -> bool:
+        os.mknod("blockdev", 0o600 | 0o060000, os.makedev(254, 0))
+        return True
+
+    attempt("mknod", mknod)
+    attempt("unshare_user", lambda: libc.unshare(0x10000000))
+    attempt("ptrace", lambda: libc.ptrace(0, 0, None, None))  # PTRACE_TRACEME
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--key", required=True)
-    parser.add_argument("--abuse", choices=("memory", "pids", "disk", "output", "calls", "scope", "none"),
+    parser.add_argument("--abuse", choices=("memory", "pids", "disk", "output", "calls", "scope", "privileges",
+                                            "none"),
                         required=True)
     args = parser.parse_args()
     status = call(args.base_url, args.key)
@@ -117,6 +163,8 @@ def main() -> int:
     if args.abuse == "none":
         with open("transcript.json", "w") as f:
             json.dump({"status": status}, f)
+    elif args.abuse == "privileges":
+        privileges()
     elif args.abuse == "scope":
         base = args.base_url.rstrip("/")
         head, sep, episode = base.rpartition("/e/")

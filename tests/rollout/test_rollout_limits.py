@@ -291,7 +291,7 @@ def abuse_adapters(directory: Path) -> list[str]:
     """--toolchain arguments: one custom toolchain per abuse (named abuse-<what>, the adapter file's stem) and
     the same script without abuse (`abuse-none`, honest, standard library only)."""
     names = []
-    for what in (*ABUSES, "scope", "none"):
+    for what in (*ABUSES, "scope", "privileges", "none"):
         path = directory / f"abuse-{what}.toml"
         path.write_text(f'command = ["{{python}}", "{ABUSER}", "--base-url", "{{base_url}}", "--key", "{{api_key}}", '
                         f'"--abuse", "{what}"]\n')
@@ -411,6 +411,11 @@ def check_abuses(results: dict[str, dict[str, Any]], episodes: dict[str, Path], 
     assert (progress(episodes["abuse-scope"], "sibling_status"), progress(episodes["abuse-scope"], "validator_status"),
             progress(episodes["abuse-scope"], "honest_call_status")) == (403, 403, 200)
     assert scope["reward"] == 0.0 and scope["reward_posted"], scope
+    acts = re.findall(r"^abuse: privilege (\w+) (\w+)$", (episodes["abuse-privileges"] / "agent.stderr").read_text(),
+                      re.MULTILINE)  # whoever started the run: no capability, no privileged act
+    assert progress(episodes["abuse-privileges"], "cap_eff") == 0 and len(acts) == 7, acts
+    assert all(outcome == "blocked" for _, outcome in acts), acts
+    assert results["abuse-privileges"]["reward"] == 0.0
     assert progress(episodes["abuse-memory"], "memory_mib") <= 256  # of the 2048 MiB it went for
     assert progress(episodes["abuse-pids"], "forked") < 64  # of 3000
     assert (episodes["abuse-disk"] / "work" / "fill.bin").stat().st_size <= 64 * MiB  # of 200 MiB

@@ -320,3 +320,60 @@ def test_no_sandbox_prints_what_is_then_not_protected(tmp_path: Path) -> None:
         server.shutdown()
     assert done.returncode == 0, done.stderr
     assert "warning: --no-sandbox:" in done.stderr and "run directory" in done.stderr
+
+
+def npm_cli(root: Path) -> Path:
+    """A CLI with a dependency, packed and installed offline under an arbitrary prefix (`npm --prefix`): its
+    `.bin` entry is a link into its package, whose dependency sits beside it in `node_modules`."""
+    for name, package, files in (
+            ("ofdep", {"main": "index.js"}, {"index.js": 'module.exports = () => "dep-ok";\n'}),
+            ("ofcli", {"bin": {"ofcli": "bin.js"}, "dependencies": {"ofdep": "1.0.0"}},
+             {"bin.js": '#!/usr/bin/env node\nconst d = require("ofdep");\n'
+                        'require("fs").writeFileSync("transcript.json", JSON.stringify({dep: d()}));\n'})):
+        src = root / "src" / name
+        src.mkdir(parents=True)
+        (src / "package.json").write_text(json.dumps({"name": name, "version": "1.0.0", **package}))
+        for rel, text in files.items():
+            (src / rel).write_text(text)
+            (src / rel).chmod(0o755)
+        subprocess.run(["npm", "pack", "-q"], cwd=src, check=True, capture_output=True)
+    prefix = root / "opt" / "x"
+    subprocess.run(["npm", "install", "-q", "--offline", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                    str(root / "src" / "ofdep" / "ofdep-1.0.0.tgz"), str(root / "src" / "ofcli" / "ofcli-1.0.0.tgz")],
+                   check=True, capture_output=True, timeout=120)
+    return prefix / "node_modules" / ".bin" / "ofcli"
+
+
+@needs_bwrap
+@pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not installed")
+def test_a_cli_installed_under_any_prefix_runs_in_the_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command's installation (the `node_modules` tree its link points into) is bound with it; a path it
+    needs beyond that is named, with the adapter key that binds it."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    cli = npm_cli(tmp_path / "npm")
+    adapter = tmp_path / "pi.toml"
+    adapter.write_text(f'command = ["{cli}"]\n')
+    needs = tmp_path / "needs.toml"  # a CLI that reads a directory no rule binds: the adapter names it
+    data = tmp_path / "elsewhere"
+    data.mkdir()
+    (data / "lib.js").write_text('module.exports = "lib-ok";\n')
+    script = tmp_path / "npm" / "opt" / "x" / "node_modules" / "ofcli" / "needs.js"
+    script.write_text(f'#!/usr/bin/env node\nrequire("{data}/lib.js");\n'
+                      'require("fs").writeFileSync("transcript.json", "1");\n')
+    script.chmod(0o755)
+    needs.write_text(f'command = ["{script}"]\n')
+    bound = tmp_path / "bound.toml"
+    bound.write_text(f'command = ["{script}"]\nreadonly = ["{data}"]\n')
+    server, _ = fake_proxy()
+    try:
+        rollout = run([Task(id="t", prompt="x", verify="test -f transcript.json")],
+                      [f"custom:{adapter}", f"custom:{needs}", f"custom:{bound}"],
+                      proxy=f"http://127.0.0.1:{server.server_port}", out=tmp_path / "out", run_id="R9",
+                      sandbox="bwrap", reward_token=REWARD)
+    finally:
+        server.shutdown()
+    got = {r.toolchain: r for r in rollout.results}
+    assert (got["pi"].status, got["pi"].reward) == ("ok", 1.0), got["pi"]
+    assert (got["bound"].status, got["bound"].reward) == ("ok", 1.0), got["bound"]
+    failed = got["needs"]
+    assert failed.status == "agent_failed" and str(data) in failed.reason and "readonly = [" in failed.reason, failed
