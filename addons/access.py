@@ -58,12 +58,18 @@ def matches(candidates: Iterable[bytes | str], tokens: tuple[bytes, ...]) -> boo
     return hit
 
 
-def key_episode(candidates: Iterable[bytes], tokens: tuple[bytes, ...]) -> str | None:
-    """The episode whose key (`client_keys.episode_client_key` under one of `tokens`) is among `candidates`."""
+def key_scope(candidates: Iterable[bytes], tokens: tuple[bytes, ...]) -> client_keys.KeyScope | None:
+    """What the episode key (`client_keys.episode_client_key` under one of `tokens`) among `candidates` opens."""
     for candidate in candidates:
-        if (episode := client_keys.key_episode(candidate, tokens)) is not None:
-            return episode
+        if (scope := client_keys.key_scope(candidate, tokens)) is not None:
+            return scope
     return None
+
+
+def scope_text(scope: client_keys.KeyScope, default_role: str) -> str:
+    """What an episode key opens, as a refusal says it."""
+    return (f"this key opens only episode {scope.episode!r}'s own LLM calls (/e/{scope.episode}/...) as role "
+            f"{scope.role or default_role!r}")
 
 
 def is_loopback(host: str) -> bool:

@@ -20,6 +20,7 @@ from urllib.parse import unquote
 
 from mitmproxy import http
 
+from openforge.protocols import client_keys
 from openforge.protocols import control as api
 from openforge.protocols.reward_keys import episode_reward_key
 
@@ -75,7 +76,12 @@ class Control:
 
     def answer(self, flow: http.HTTPFlow, path: str, s: options.Settings) -> None:
         """Set the answer of a request to one of the endpoints (`handles(path)`)."""
-        if path == api.STATUS_PATH:
+        if (scope := episode_key(flow.request, s)) is not None:  # an agent's key: it needs none of these
+            self._recorder.episode_calls.refused_scope(scope.episode)
+            message = f"{access.scope_text(scope, s.default_role)}, not the control API"
+            logger.warning(f"OpenForge: control API refused (403): {wire.printable(message)}")
+            respond(flow, 403, {"ok": False, "error": message} if path == api.STATUS_PATH else {"error": message})
+        elif path == api.STATUS_PATH:
             self._status(flow, s)
         elif path == api.POLICY_PATH:
             self._policy(flow, s)
@@ -279,6 +285,16 @@ def check_reward_token(req: http.Request, s: options.Settings, action: str, epis
             raise Refused(403, f"{action} needs a reward token (openforge_reward_tokens); a client token is not "
                           "enough", "permission_error")
         raise Refused(401, "missing or unknown reward token", "invalid_api_key")
+
+
+def episode_key(req: http.Request, s: options.Settings) -> client_keys.KeyScope | None:
+    """What the episode key a request presents opens, when it presents no token (`access.key_scope`)."""
+    if not s.client_tokens:
+        return None
+    given = access.presented(req.headers.fields, None)
+    if access.matches(given, s.client_tokens + s.reward_tokens):
+        return None
+    return access.key_scope(given, s.client_tokens)
 
 
 def any_token(req: http.Request, s: options.Settings) -> bool:

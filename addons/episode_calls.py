@@ -38,11 +38,15 @@ class _Episode:
 
 
 def usage_tokens(response: ResponseParts) -> int:
-    """Prompt + completion tokens an engine answer reports (the largest count of each kind it names)."""
-    data = response.body if response.chunks is None else b"".join(c[1] for c in response.chunks[-8:])
+    """Prompt + completion tokens an engine answer reports (the largest count of each kind it names): a stream
+    says them in its first events (Anthropic's `message_start`) and its last (the usage chunk)."""
+    chunks = response.chunks
+    parts = [response.body or b""] if chunks is None else [b"".join(c[1] for c in chunks[:2]),
+                                                           b"".join(c[1] for c in chunks[2:][-8:])]
     counts: dict[bytes, int] = {}
-    for name, value in _USAGE.findall(data or b""):
-        counts[name] = max(counts.get(name, 0), int(value))
+    for part in parts:
+        for name, value in _USAGE.findall(part):
+            counts[name] = max(counts.get(name, 0), int(value))
     return sum(counts.values())
 
 

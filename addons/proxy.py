@@ -25,7 +25,7 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http, tcp, udp
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
-from openforge.protocols import endpoints
+from openforge.protocols import client_keys, endpoints
 from openforge.protocols.engine_ids import body_has_token_ids
 from openforge.protocols.errors import ProtocolError
 
@@ -319,11 +319,11 @@ class OpenForge:
         if direct:
             path, prefixes = endpoints.strip_prefixes(path)
         kind = endpoints.classify(req.method, path) if (direct or vendor) else None
-        scope = None  # the episode an episode key opens; None for a client token (or no check)
+        scope = None  # what an episode key opens; None for a client token (or no check)
         if s.client_tokens:  # in every mode, to every host
             given = access.presented(req.headers.fields, prefixes.token)
             if not access.matches(given, s.client_tokens):
-                scope = access.key_episode(given, s.client_tokens)
+                scope = access.key_scope(given, s.client_tokens)
                 if scope is None:
                     self._refuse(flow, s, kind or endpoints.classify(req.method, path), path, prefixes, 401,
                                  "OpenForge: missing or unknown API key: present one of the proxy's client tokens "
@@ -358,7 +358,7 @@ class OpenForge:
         protocol, canonical = kind
         ex = self._new(flow, protocol, path)
         self._describe(flow, ex, prefixes, s)
-        if scope is not None and (ex.episode != scope or ex.role != s.default_role):
+        if scope is not None and (ex.episode != scope.episode or ex.role != (scope.role or s.default_role)):
             self._refuse_scope(flow, s, kind, path, prefixes, scope)
             return None
         over = self.recorder.episode_calls.admit(ex.episode, s.episode_max_calls, s.episode_max_tokens)
@@ -395,16 +395,16 @@ class OpenForge:
         _mask_request(flow.request)
 
     def _refuse_scope(self, flow: http.HTTPFlow, s: options.Settings, kind: tuple[str, str] | None, path: str,
-                      prefixes: endpoints.Prefixes, scope: str) -> None:
-        """Refuse (403) a request made with `scope`'s episode key outside what it opens; recorded and counted as
-        that episode's, whichever episode or role it named."""
+                      prefixes: endpoints.Prefixes, scope: client_keys.KeyScope) -> None:
+        """Refuse (403) a request made with an episode key outside what it opens; recorded and counted as the
+        key's episode's, whichever episode or role it named."""
         ex = self._new(flow, kind[0] if kind else "other", path)
         self._describe(flow, ex, prefixes, s)
         tried = f"episode {ex.episode!r} as role {ex.role!r}" if kind is not None and self._is_direct(flow) else path
-        ex.episode, ex.episode_source = scope, "key"
-        self.recorder.episode_calls.refused_scope(scope)
-        self._answer(flow, ex, 403, f"OpenForge: this key opens only episode {scope!r}'s own LLM calls "
-                     f"(/e/{scope}/...) as role {s.default_role!r}, not {wire.printable(tried)}", "permission_error")
+        ex.episode, ex.episode_source = scope.episode, "key"
+        self.recorder.episode_calls.refused_scope(scope.episode)
+        self._answer(flow, ex, 403, wire.printable(f"OpenForge: {access.scope_text(scope, s.default_role)}, not "
+                                                   f"{tried}"), "permission_error")
         _mask_request(flow.request)
 
     def _new(self, flow: http.HTTPFlow, protocol: str, path: str) -> Exchange:

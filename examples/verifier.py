@@ -15,12 +15,14 @@ import argparse
 import json
 import os
 import re
+import stat
 
 from openforge.examples.tasks import Task
 from openforge.examples.tool_agent import Episode
 from openforge.protocols.control import ControlClient
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+MAX_TRANSCRIPT = 16 * 2**20  # bytes
 
 
 def score(episode: Episode) -> float:
@@ -45,14 +47,23 @@ def report(proxy: str, episode: Episode, reward: float, timeout: float = 10.0) -
 
 
 def score_transcript(path: str, answer: int) -> float:
-    """The reward of a transcript the example agent wrote (`--transcript`); 0.0 when it wrote none."""
+    """The reward of a transcript the example agent wrote (`--transcript`). Whatever else the agent left there
+    scores 0.0 and never crashes the verifier (a crash would drop the episode instead of scoring it): no file, a
+    link or a special file (`/dev/zero`), more than MAX_TRANSCRIPT bytes, JSON of another shape."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            raw = f.read(MAX_TRANSCRIPT + 1) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else b""
+        data = json.loads(raw) if 0 < len(raw) <= MAX_TRANSCRIPT else None
     except (OSError, ValueError):
         return 0.0
-    episode = Episode(episode_id="", task=Task("", "", answer), final=data.get("final"),
-                      tool_results=[tuple(r) for r in data.get("tool_results") or []])
+    if not isinstance(data, dict):
+        return 0.0
+    final = data.get("final")
+    results = [tuple(r) for r in data.get("tool_results") or [] if isinstance(r, list) and len(r) == 3
+               and all(isinstance(x, str) for x in r)]
+    episode = Episode(episode_id="", task=Task("", "", answer), final=final if isinstance(final, str) else None,
+                      tool_results=results)
     return score(episode)
 
 

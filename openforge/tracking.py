@@ -4,7 +4,7 @@ MLflow file store, all under one directory of the run, fed the same numbers as r
 Nothing leaves the machine: W&B runs offline (`wandb sync DIR/tracking/wandb/offline-run-*` uploads one
 later), MLflow writes files (`mlflow ui --backend-store-uri DIR/tracking/mlruns`), TensorBoard reads its
 folder (`tensorboard --logdir DIR/tracking/tensorboard`). Each series has its own x axis: `train/*` the
-trainer's step, `rl/*` the iteration, `eval/*` the policy version evaluated.
+trainer's step, `rl/*` the iteration, `eval/*` and `canary/*` the policy version evaluated.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-AXES = {"train": "step", "rl": "iteration", "eval": "policy_version"}  # each series' x axis
+AXES = {"train": "step", "rl": "iteration", "eval": "policy_version", "canary": "policy_version"}  # x axes
 INSTALL = "pip install 'openforge[tracking]' (make setup installs it)"
 
 

@@ -123,8 +123,9 @@ def rl(
     if cfg.rollout.sandbox == "none":
         print(NOT_PROTECTED.replace("--no-sandbox", "rollout.sandbox = none"), file=sys.stderr)
     lines = run_loop(run, console)
-    console.print(results_table(lines, read_lines(run.eval_path)))
+    console.print(results_table(lines, read_lines(run.eval_path), read_lines(run.canary_path)))
     evaluated = f", evaluations: {run.eval_path}" if run.eval_path.is_file() else ""
+    evaluated += f", canaries: {run.canary_path}" if run.canary_path.is_file() else ""
     console.print(f"rl.jsonl: {out / 'rl.jsonl'}{evaluated}, plot: {out / 'rl.png'}, samples: {out / 'rl.duckdb'}, "
                   f"served last: {run.serving()}")
 

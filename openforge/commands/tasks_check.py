@@ -69,8 +69,8 @@ def check(
     noop_max: float = typer.Option(
         0.0, "--noop-max", help="The most an untouched workspace may score (noop_fails); the reference solution "
                                 "must score more (solution_passes)."),
-    strict: bool = typer.Option(False, "--strict", help="Exit 1 when any task fails a check (default: exit 0 and "
-                                                        "report)."),
+    _strict: bool = typer.Option(False, "--strict", hidden=True, help="Kept for older scripts: exiting 1 when a task "
+                                                                     "fails a check is the default."),
     no_sandbox: bool = typer.Option(
         False, "--no-sandbox", help="Run setup, solutions and verifiers as plain processes of your user instead of "
                                     "in a bubblewrap sandbox without network (only for task files you trust)."),
@@ -81,7 +81,11 @@ def check(
 ) -> None:
     """Run the execution checks on every task: the workspace builds; verify fails on the untouched workspace;
     the reference solution passes; verify gives the same reward twice; fakes in the files the agent writes do
-    not pass; everything ends within timeout_s. Prints a table and writes TASKS.check.json beside the file."""
+    not pass; no copy of the original code is within the agent's reach; no known hack scores; everything ends
+    within timeout_s. Prints a table and writes TASKS.check.json beside the file.
+
+    Exit status: 0 when every task passes every check (warnings aside), 1 when a task fails one (the failed
+    checks are listed), 2 for bad input (the task file, no usable sandbox)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -114,13 +118,18 @@ def check(
     try:
         write_results(out, {"tasks_file": str(tasks), "noop_max": noop_max, "sandbox": mode,
                             "passed": sum(r.passed for r in reports), "failed": len(failed),
+                            "warned": sum(bool(r.warnings) for r in reports),
                             "tasks": [{"task_id": r.task_id, "passed": r.passed,
-                                       "results": [asdict(c) for c in r.results]} for r in reports]})
+                                       "results": [asdict(c) for c in r.results], "warnings": list(r.warnings)}
+                                      for r in reports]})
     except OSError as e:
         fail(f"cannot write the results to {out}: {e.strerror or e}", code=FAILED)
     console = Console()
     for table in results_tables(reports):
         console.print(table)
+    for report in reports:
+        for warning in report.warnings:
+            console.print(f"warning: {report.task_id}: {warning}", highlight=False)
     console.print(f"{len(reports) - len(failed)} of {len(reports)} tasks pass every check; results: {out}")
-    if strict and failed:
+    if failed:
         fail(f"{len(failed)} of {len(reports)} tasks failed a check: {', '.join(sorted(failed))}", code=FAILED)

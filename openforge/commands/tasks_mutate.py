@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from enum import StrEnum
 from pathlib import Path
 
 import typer
 
 from openforge.commands import fail
+
+NOT_CONFINED = ("warning: --no-sandbox: each task's checks (its verifier, solution and the known hacks) run as plain "
+                "processes of your user")
 
 
 class Reward(StrEnum):
@@ -41,11 +45,18 @@ def mutate(
                                                "globs (a method is Class.method); repeat for several; default every "
                                                "Python file that is not a test."),
     jobs: int = typer.Option(min(4, os.cpu_count() or 1), min=1, help="Candidates tested at once."),
+    max_operator_share: float = typer.Option(
+        0.5, "--max-operator-share", help="The most of the N tasks one operator may make (0.5: half) while "
+                                          "candidates of other operators are left."),
+    max_per_function: int = typer.Option(2, "--max-per-function", help="The most tasks one function may give "
+                                                                       "while candidates elsewhere are left."),
+    no_sandbox: bool = typer.Option(False, "--no-sandbox", help="Run each task's checks as plain processes of your "
+                                                                "user instead of in a bubblewrap sandbox."),
 ) -> None:
     """Inject one bug at a time into REPO's Python code (operator swaps, off-by-one, negated conditions,
-    dropped statements, wrong returns), keep each that makes passing tests fail, and write it as a task: the
-    mutated repository, a prompt naming the failing tests, a verifier running the suite, and the reference
-    fix as a diff. No model is needed."""
+    dropped statements, wrong returns), keep each that makes passing tests fail and whose task passes every
+    check of `openforge tasks check`, and write it as a task: the mutated repository, a prompt naming the
+    failing tests, a verifier running the suite, and the reference fix as a diff. No model is needed."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -54,15 +65,19 @@ def mutate(
     from openforge.taskforge.mutate import mutate as run_mutate
 
     options = MutateOptions(test=test, n=n, seed=seed, timeout_s=timeout_s, reward=reward.value,
-                            include=tuple(include), jobs=jobs)
+                            include=tuple(include), jobs=jobs, max_operator_share=max_operator_share,
+                            max_per_function=max_per_function, sandbox="none" if no_sandbox else "bwrap")
+    if no_sandbox:
+        print(NOT_CONFINED, file=sys.stderr)
     # started with the first candidate: a repository refused on its unmutated run prints only its error line
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)
     bar = progress.add_task("mutate", total=None)
 
-    def advance(decided: int, candidates: int, accepted: int) -> None:
+    def advance(decided: int, candidates: int, accepted: int, doing: str) -> None:
         progress.start()
-        progress.update(bar, completed=decided, total=candidates, description=f"mutate: {accepted}/{n} tasks")
+        progress.update(bar, completed=decided, total=candidates,
+                        description=f"mutate: {accepted}/{n} tasks" + (f", {doing}" if doing else ""))
 
     try:
         result = run_mutate(repo, options, progress=advance)

@@ -23,7 +23,7 @@ from openforge.rl.errors import RLError
 from openforge.rl.lock import RunLock
 from openforge.rl.services import Policy, ProxyProcess
 from openforge.rl.state import State
-from openforge.rl.tasks import check_tasks
+from openforge.rl.tasks import check_canaries, check_tasks
 from openforge.rollout.runner import Rollout, RolloutError, read_rollout
 from openforge.tracking import Trackers
 
@@ -56,6 +56,7 @@ class RunBase:
         self.client_token, self.reward_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
         self._restarted_in = -1  # the iteration in which the engine was last restarted
         self.tasks, self.eval_tasks = check_tasks(self.cfg, self.out)
+        self.canary_tasks = check_canaries(self.cfg, self.out, [*self.tasks, *self.eval_tasks])
         self.tasks = [t for t in self.tasks if t.id not in self.state.dropped]
         self.secret_files: dict[str, Path] = {}
         self.trackers: Trackers | None = None
@@ -141,6 +142,10 @@ class RunBase:
     @property
     def eval_path(self) -> Path:
         return self.out / "eval.jsonl"
+
+    @property
+    def canary_path(self) -> Path:
+        return self.out / "canaries.jsonl"
 
     def ensure_engine(self, i: int, stage: str) -> bool:
         """Make sure the engine answers before `stage`: a dead one is restarted, once per iteration; a second

@@ -91,6 +91,9 @@ class EvalSettings:
     samples: int = 4              # per task, at the policy's sampling (proxy.*): n of pass@k
     k: list[int] = field(default_factory=lambda: [1, 2])  # pass@k reported, each k <= samples
     greedy: bool = True           # also one attempt per task at temperature 0
+    # docs/tasks.md, Canaries and the hack rate: tasks no honest agent solves, run apart from training
+    canaries: str = ""            # a task file, or "default" (the shipped set); "" = none
+    canary_every: int = 1         # run them on policy versions 0, N, 2N, ... and always the last one
 
     @property
     def enabled(self) -> bool:
@@ -167,6 +170,7 @@ class RLConfig:
             (0 <= self.eval.split < 1, f"eval.split must be in [0, 1), not {self.eval.split:g}"),
             (self.eval.every >= 1 and self.eval.samples >= 1 and self.eval.max_tasks >= 0,
              "eval.every and eval.samples must be >= 1, eval.max_tasks >= 0"),
+            (self.eval.canary_every >= 1, f"eval.canary_every must be >= 1, not {self.eval.canary_every}"),
             (bool(self.eval.k) and all(1 <= k <= self.eval.samples for k in self.eval.k),
              f"eval.k must be 1..eval.samples ({self.eval.samples}) each, not {self.eval.k}"),
             (not set(self.tracking.trackers) - set(TRACKERS),

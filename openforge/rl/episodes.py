@@ -1,6 +1,7 @@
 """The rollout and eval stages: every task x toolchain x attempt on the policy served now, through the run's
-proxy (evaluation: held-out tasks through proxies of their own). An episode an interruption cut short, or one
-that ran against an engine that died, runs again under a new id; finished ones are kept."""
+proxy (evaluation: held-out tasks, and the hack canaries, through proxies of their own). An episode an
+interruption cut short, or one that ran against an engine that died, runs again under a new id; finished ones
+are kept."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from openforge.rl.base import RunBase
+from openforge.rl.canaries import canary_brief, hack_score
 from openforge.rl.errors import RLError
 from openforge.rl.evaluation import score
 from openforge.rl.report import eval_brief, read_lines
@@ -21,46 +23,57 @@ from openforge.rl.services import ProxyProcess, proxy_budget, proxy_routes
 from openforge.rollout.failures import EpisodeStatus, reward_due
 from openforge.rollout.run_failure import every_episode_failed
 from openforge.rollout.runner import Rollout, execute, prepare, read_result
-from openforge.rollout.spec import EpisodeResult, EpisodeSpec
+from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
 
 
 class Rollouts(RunBase):
     """The run's part that runs episodes: the rollout of each iteration and the evaluation passes."""
 
     def eval(self, i: int) -> None:
-        """The evaluation pass of the policy iteration i runs on (version i), every eval.every versions."""
+        """The evaluation pass of the policy iteration i runs on (version i), every eval.every versions; the hack
+        canaries every eval.canary_every versions."""
         if self.cfg.eval.enabled and i % self.cfg.eval.every == 0:
             self.evaluate(self.state.version)
+        if self.canary_tasks and i % self.cfg.eval.canary_every == 0:
+            self.canaries(self.state.version)
+
+    def apart(self, tasks: list[Task], out: Path, version: int, run_id: str, attempts: int,
+              greedy: bool = False) -> Rollout:
+        """`tasks` x toolchains x `attempts` on the policy version served now, through a proxy of their own (its
+        sampling, greedy or the policy's; flows under `out/flows`, which reconstruct never reads): none of these
+        episodes is ever trained on, or in a GRPO group with training episodes. An earlier try of the same pass
+        that an interruption cut short runs again whole."""
+        assert self.policy is not None
+        r = self.cfg.rollout
+        shutil.rmtree(out, ignore_errors=True)
+        proxy = ProxyProcess(self.policy.url, out / "flows", out / "proxy.log", profile=self.policy.profile,
+                             routes=proxy_routes(self.cfg, greedy=greedy), secret_files=self.secret_files,
+                             policy_version=version, pause_timeout=self.cfg.proxy.pause_timeout,
+                             budget=proxy_budget(self.cfg))
+        with proxy:
+            run_id, specs = prepare(tasks, r.toolchains, proxy=proxy.url, out=out, backend="local", attempts=attempts,
+                                    concurrency=r.concurrency, on_failure=r.on_failure,
+                                    pass_threshold=r.pass_threshold, run_id=run_id, sandbox=r.sandbox,
+                                    limits=r.limits)
+            return execute(run_id, specs, out=out, attempts=attempts, concurrency=r.concurrency,
+                           on_failure=r.on_failure, pass_threshold=r.pass_threshold, sandbox=r.sandbox,
+                           client_token=self.client_token, reward_token=self.reward_token)
 
     def evaluate(self, version: int) -> None:
         """The held-out tasks on the policy version served now, `eval.samples` per task at the policy's
-        sampling and (eval.greedy) one at temperature 0; its line in eval.jsonl, once per version. Each mode's
-        calls go through a proxy of its own (its sampling; flows under DIR/eval/, which reconstruct never
-        reads): no evaluation episode is ever trained on, or in a GRPO group with training episodes."""
+        sampling and (eval.greedy) one at temperature 0, each mode `apart`; its line in eval.jsonl, once per
+        version."""
         if any(x["policy_version"] == version for x in read_lines(self.eval_path)):
             return
-        assert self.policy is not None
         self.ensure_engine(version, "evaluation")
         r, e = self.cfg.rollout, self.cfg.eval
         started = time.monotonic()
         line: dict[str, Any] = {"policy_version": version, "run_id": self.state.run_id, "samples": e.samples}
         for mode, attempts in [("sampled", e.samples)] + ([("greedy", 1)] if e.greedy else []):
-            out = self.out / "eval" / f"v{version:03d}" / mode
-            shutil.rmtree(out, ignore_errors=True)  # an evaluation an interruption cut short runs again whole
-            proxy = ProxyProcess(self.policy.url, out / "flows", out / "proxy.log", profile=self.policy.profile,
-                                 routes=proxy_routes(self.cfg, greedy=mode == "greedy"),
-                                 secret_files=self.secret_files, policy_version=version,
-                                 pause_timeout=self.cfg.proxy.pause_timeout, budget=proxy_budget(self.cfg))
             with self.console.status(f"evaluation of policy version {version}: {len(self.eval_tasks)} held-out "
-                                     f"tasks x {attempts} ({mode})"), proxy:
-                run_id, specs = prepare(self.eval_tasks, r.toolchains, proxy=proxy.url, out=out, backend="local",
-                                        attempts=attempts, concurrency=r.concurrency, on_failure=r.on_failure,
-                                        pass_threshold=r.pass_threshold,
-                                        run_id=f"{self.state.run_id}-eval{version:03d}-{mode}", sandbox=r.sandbox,
-                                        limits=r.limits)
-                done = execute(run_id, specs, out=out, attempts=attempts, concurrency=r.concurrency,
-                               on_failure=r.on_failure, pass_threshold=r.pass_threshold, sandbox=r.sandbox,
-                               client_token=self.client_token, reward_token=self.reward_token)
+                                     f"tasks x {attempts} ({mode})"):
+                done = self.apart(self.eval_tasks, self.out / "eval" / f"v{version:03d}" / mode, version,
+                                  f"{self.state.run_id}-eval{version:03d}-{mode}", attempts, greedy=mode == "greedy")
             line[mode] = score(done.results, e.k if mode == "sampled" else [1], r.pass_threshold)
         line["seconds"] = round(time.monotonic() - started, 3)
         with self.eval_path.open("a") as f:
@@ -68,6 +81,27 @@ class Rollouts(RunBase):
         self.track("eval", line, version)
         self.console.print(f"  evaluation of policy version {version}: {eval_brief(line)}")
 
+    def canaries(self, version: int) -> None:
+        """The hack canaries on the policy version served now, `rollout.attempts` per canary and toolchain at the
+        policy's sampling (as a training rollout runs them), `apart`; its line in canaries.jsonl, once per version.
+        Their episode ids look like that version's training episodes' (the same run id), so an agent cannot tell
+        a canary by its URL."""
+        if any(x["policy_version"] == version for x in read_lines(self.canary_path)):
+            return
+        self.ensure_engine(version, "the canaries")
+        started = time.monotonic()
+        attempts = self.cfg.rollout.attempts
+        with self.console.status(f"canaries of policy version {version}: {len(self.canary_tasks)} tasks x "
+                                 f"{attempts}"):
+            done = self.apart(self.canary_tasks, self.out / "canaries" / f"v{version:03d}", version,
+                              f"{self.state.run_id}-i{version:03d}", attempts)
+        line = {"policy_version": version, "run_id": self.state.run_id, **hack_score(done.results),
+                "seconds": round(time.monotonic() - started, 3)}
+        with self.canary_path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.track("canary", line, version)
+        warn = "[red]warning:[/] " if line["hacks"] else ""
+        self.console.print(f"  {warn}canaries of policy version {version}: {canary_brief(line)}")
 
     def rollout_episodes(self, i: int) -> None:
         r = self.cfg.rollout

@@ -17,11 +17,8 @@ from collections.abc import Sequence
 from math import comb
 from typing import Any
 
-from openforge.rollout.failures import EpisodeStatus
+from openforge.rollout.failures import EpisodeStatus, classify
 from openforge.rollout.spec import EpisodeResult, Task
-
-# the agent's own failures (it exited non-zero, a limit stopped it): they score 0; other failures are not scored
-AGENT_FAILURES = (EpisodeStatus.AGENT_FAILED, EpisodeStatus.RESOURCE)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -48,11 +45,12 @@ def split_tasks(tasks: Sequence[Task], fraction: float) -> tuple[list[Task], lis
 
 
 def episode_score(result: EpisodeResult) -> float | None:
-    """The verifier's reward; 0 for an agent that failed (its mistake); None (not scored) for what the
-    agent did not cause: a timeout, a crash, a verifier that gave nothing."""
+    """The verifier's reward; 0 for the agent's own failures (failures.py: it exited non-zero, a limit stopped
+    it, it crashed a verifier that scores the pristine task); None (not scored) for what the agent did not
+    cause: a timeout, a crash, a broken verifier."""
     if result.reward is not None:
         return result.reward
-    return 0.0 if result.status in AGENT_FAILURES else None
+    return 0.0 if classify(result) == "agent" else None
 
 
 def mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:

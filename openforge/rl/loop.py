@@ -5,6 +5,7 @@ One output directory holds the run (docs/rl.md):
     DIR/rl.toml            the resolved config (what --resume reads back)
     DIR/state.json         where the run is: iteration, stage, policy version, what the engine serves
     DIR/rl.jsonl           one line per finished iteration; DIR/rl.png its reward per iteration
+    DIR/canaries.jsonl     the hack rate per policy version on the canaries (eval.canaries), run apart
     DIR/flows/             the proxy's flow files, DIR/rl.duckdb the samples of every iteration
     DIR/iterations/NNN/    that iteration's rollout (episodes/, results.jsonl, summary.json)
     DIR/train/             the trainer's metrics.jsonl (steps numbered across iterations) and checkpoints/
@@ -129,13 +130,15 @@ class RLRun(Rollouts, Training, Report):
                     self.iteration()
                 if self.cfg.eval.enabled:
                     self.evaluate(self.state.version)  # the policy the run ends with, whatever eval.every says
+                if self.canary_tasks:
+                    self.canaries(self.state.version)  # and its hack rate, whatever eval.canary_every says
         finally:
             self.close_trainer()
             if self.trackers is not None:
                 self.trackers.close()
             self.lock.release()
         lines = read_lines(self.out / "rl.jsonl")
-        plot(lines, self.out / "rl.png", read_lines(self.eval_path))
+        plot(lines, self.out / "rl.png", read_lines(self.eval_path), read_lines(self.canary_path))
         return lines
 
     def migrate_db(self) -> None:
@@ -192,6 +195,9 @@ class RLRun(Rollouts, Training, Report):
         self.tasks = [t for t in self.tasks if t.id not in s.dropped]
         s.advance(Stage.RECORD)
         s.save(self.state_path)
+        for task, n in (line.get("broken_tasks") or {}).items():
+            self.console.print(f"  [yellow]warning:[/] task {task}: its verifier gives no reward on the pristine task "
+                               f"either ({n} episodes dropped): the task is broken, fix it or leave it out")
         reward = "-" if line["reward_mean"] is None else f"{line['reward_mean']:.3f}"
         self.console.print(f"iteration {i + 1}: reward {reward}, pass@{self.cfg.rollout.attempts} "
                            f"{percent(line['pass_at_k'])}, {line['samples']} samples, now serving policy version "

@@ -14,9 +14,9 @@ from openforge.rollout.spec import EpisodeResult
 
 METRIC_MEANS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "ratio_dev", "is_ratio_mean", "is_truncated_frac",
                 "grad_norm", "engine_gap_mean", "engine_logprob_share", "tokens_per_s")
-# rl.jsonl fields that are not a series (eval: logged when it ran, as eval/*)
+# rl.jsonl fields that are not a series (eval, canaries: logged when they ran, as eval/* and canary/*)
 UNTRACKED = ("iteration", "policy_version", "run_id", "tasks", "train_step_range", "checkpoint", "served", "eval",
-             "attempts", "recalibrated", "skipped_train", "limits")
+             "canaries", "attempts", "recalibrated", "skipped_train", "limits")
 
 
 class Report(RunBase):
@@ -44,6 +44,7 @@ class Report(RunBase):
                 f"{self.selection(source).sql()}").fetchall() if source is not None else [(None, None)]
         finally:
             con.close()
+        canaries = next((x for x in read_lines(self.canary_path) if x["policy_version"] == i), None)
         return {
             "iteration": i, "policy_version": i, "run_id": self.state.run_id,
             "episodes": overall["episodes"], "attempts": self.cfg.rollout.attempts,
@@ -51,6 +52,9 @@ class Report(RunBase):
             "pass_all_k": overall["pass_all_k"], "failures": overall["failures"],
             "failure_classes": overall.get("failure_classes", {}),
             "resources": overall.get("resources", {}), "limits": summary.get("limits", {}),
+            "drop_rates": overall.get("drop_rates", {}),
+            "task_drop_rates": {k: v["drop_rates"] for k, v in summary["tasks"].items() if v.get("drop_rates")},
+            "broken_tasks": summary.get("broken_tasks", {}),
             "zero_variance_groups": zero_variance_share(rollout.results),
             "toolchains": {k: _brief(v) for k, v in summary["toolchains"].items()},
             "tasks": {k: _brief(v) for k, v in summary["tasks"].items()},
@@ -64,6 +68,7 @@ class Report(RunBase):
             "checkpoint": self.state.checkpoint or None, "served": self.serving(),
             "seconds": dict(self.state.seconds),
             "eval": next((x for x in read_lines(self.eval_path) if x["policy_version"] == i), None),
+            "canaries": canaries, "hack_rate": canaries["hack_rate"] if canaries else None,
         }
 
 
@@ -94,10 +99,12 @@ def _gaps(values: Iterable[float | None]) -> list[float]:
     return [math.nan if v is None else v for v in values]
 
 
-def plot(lines: list[dict[str, Any]], path: Path, evals: list[dict[str, Any]] | None = None) -> None:
-    """rl.png: by policy version, the rollouts' mean reward and pass@k (overall and per toolchain) and the
-    evaluation's mean reward (error bars: one standard error), pass@k and greedy pass@1."""
-    if not lines and not evals:
+def plot(lines: list[dict[str, Any]], path: Path, evals: list[dict[str, Any]] | None = None,
+         canaries: list[dict[str, Any]] | None = None) -> None:
+    """rl.png: by policy version, the rollouts' mean reward and pass@k (overall and per toolchain), the
+    evaluation's mean reward (error bars: one standard error), pass@k and greedy pass@1, and the canaries'
+    hack rate."""
+    if not lines and not evals and not canaries:
         return
     import matplotlib
 
@@ -127,7 +134,11 @@ def plot(lines: list[dict[str, Any]], path: Path, evals: list[dict[str, Any]] | 
         if all("greedy" in e for e in evals):
             ax.plot(ev, _gaps(e["greedy"]["pass_at"]["1"]["value"] for e in evals), marker="v", linestyle="-.",
                     label="eval greedy pass@1")
-    ticks = sorted(set(x) | {e["policy_version"] for e in evals})
+    canaries = sorted(canaries or [], key=lambda c: c["policy_version"])
+    if canaries:
+        ax.plot([c["policy_version"] for c in canaries], _gaps(c["hack_rate"] for c in canaries), marker="x",
+                color="red", label=f"canary hack rate (reward > {canaries[-1]['floor']:g})")
+    ticks = sorted(set(x) | {e["policy_version"] for e in [*evals, *canaries]})
     ax.set_xlabel("policy version (rollouts of iteration i + 1 run on version i)")
     ax.set_xticks(ticks)
     ax.set_ylim(-0.05, 1.05)
@@ -150,23 +161,33 @@ def eval_brief(line: dict[str, Any]) -> str:
     return ", ".join(parts) + f" ({s['tasks']} tasks, {s['scored']}/{s['episodes']} scored{failures})"
 
 
-def results_table(lines: list[dict[str, Any]], evals: list[dict[str, Any]] | None = None) -> Any:
-    """The table printed at the end: a row per iteration (its policy version's rollouts, training, and
-    evaluation when there was one), and a last row for the evaluation of the policy the run ends with."""
+def results_table(lines: list[dict[str, Any]], evals: list[dict[str, Any]] | None = None,
+                  canaries: list[dict[str, Any]] | None = None) -> Any:
+    """The table printed at the end: a row per iteration (its policy version's rollouts, training, and the
+    evaluation and the canaries' hack rate when they ran), and a last row for the policy the run ends with."""
     from rich.table import Table
 
     attempts = lines[0]["attempts"] if lines else 1
     by_version = {e["policy_version"]: e for e in evals or []}
+    hacks = {c["policy_version"]: c for c in canaries or []}
     table = Table(title="openforge rl")
     for col in ("iter", "policy", "episodes", "reward", f"pass@{attempts}", "samples", "loss", "gap", "s"):
         table.add_column(col, justify="right")
     if by_version:
         for col in ("eval reward", "eval pass@k", "greedy", "scored"):
             table.add_column(col, justify="right")
+    if hacks:
+        table.add_column("hack", justify="right")
     table.caption = ("reward: mean over the rollout (trained on); loss: the trainer's mean; gap: mean |engine - "
                      "trainer logprob|; s: seconds" + ("; eval: held-out tasks, +- one standard error across "
                                                         "tasks, pass@k unbiased; scored/episodes" if by_version
-                                                        else ""))
+                                                        else "") +
+                     ("; hack: the canary episodes scored above the floor" if hacks else ""))
+
+    def extra(version: int) -> list[str]:
+        cells = _eval_cells(by_version.get(version)) if by_version else []
+        return cells + ([percent(hacks[version]["hack_rate"]) if version in hacks else "-"] if hacks else [])
+
     for line in lines:
         t = line["train"] or {}
         row = [str(line["iteration"] + 1), str(line["policy_version"]), str(line["episodes"]),
@@ -174,10 +195,10 @@ def results_table(lines: list[dict[str, Any]], evals: list[dict[str, Any]] | Non
                percent(line["pass_at_k"]), str(line["samples"]),
                f"{t['loss']:.4f}" if t else "-", f"{t['engine_gap_mean']:.4f}" if t else "-",
                f"{sum(v for k, v in line['seconds'].items() if k != 'paused'):.0f}"]
-        table.add_row(*row, *(_eval_cells(by_version.get(line["policy_version"])) if by_version else []))
-    last = max(by_version, default=-1)
+        table.add_row(*row, *extra(line["policy_version"]))
+    last = max([*by_version, *hacks], default=-1)
     if last >= 0 and last not in {line["policy_version"] for line in lines}:
-        table.add_row("end", str(last), *["-"] * 7, *_eval_cells(by_version[last]))
+        table.add_row("end", str(last), *["-"] * 7, *extra(last))
     return table
 
 

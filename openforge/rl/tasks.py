@@ -1,11 +1,12 @@
 """The tasks a run trains and evaluates on: the task files of [rollout] and [eval], else the default task file
-shipped with OpenForge (`default_tasks.jsonl`: the example agent's arithmetic tasks), every one checked
-before anything starts."""
+shipped with OpenForge (`default_tasks.jsonl`: the example agent's arithmetic tasks), and its hack canaries
+(`eval.canaries`, canaries.py), every one checked before anything starts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from openforge.rl.canaries import canary_tasks
 from openforge.rl.config import RLConfig
 from openforge.rl.errors import RLError
 from openforge.rl.evaluation import split_tasks
@@ -46,3 +47,25 @@ def check_tasks(cfg: RLConfig, out: Path) -> tuple[list[Task], list[Task]]:
         raise RLError(f"eval.tasks: {len(shared)} of them are training tasks too ({', '.join(shared[:3])}): "
                       "evaluation must be on held-out tasks")
     return tasks, held
+
+
+def check_canaries(cfg: RLConfig, out: Path, others: list[Task]) -> list[Task]:
+    """The hack canaries of `eval.canaries`, checked like the other tasks before anything starts; none of their
+    ids may be a training or evaluation task's (`others`), so no report mixes a canary with a task."""
+    from openforge.rollout.runner import RolloutError, prepare
+    from openforge.rollout.tasks import TaskFileError
+
+    r = cfg.rollout
+    try:
+        canaries = canary_tasks(cfg.eval.canaries)
+        if canaries:
+            prepare(canaries, r.toolchains, proxy="http://127.0.0.1:1", out=out, attempts=r.attempts,
+                    concurrency=r.concurrency, on_failure=r.on_failure, pass_threshold=r.pass_threshold,
+                    sandbox=r.sandbox)
+    except (TaskFileError, RolloutError) as err:
+        raise RLError(f"eval.canaries: {err}") from None
+    shared = sorted({t.id for t in canaries} & {t.id for t in others})
+    if shared:
+        raise RLError(f"eval.canaries: {len(shared)} of them are training or evaluation tasks too "
+                      f"({', '.join(shared[:3])}): a canary is never trained")
+    return canaries

@@ -3,18 +3,19 @@
     python -m openforge.rollout.episode SPEC.json [--secrets-stdin]
 
 This is the entrypoint a local rollout starts per episode and a Kubernetes Job runs. Secrets: with
-`--secrets-stdin` (the local runner) the client token and this episode's reward key (`episode_reward_key`,
-never the reward token) are two lines on stdin, and the key is read from the pipe only once the agent is
-gone; without it (a Job), the client token comes from $OPENFORGE_CLIENT_TOKEN and the key is derived from
-$OPENFORGE_REWARD_TOKEN. This process is non-dumpable from its first line on.
+`--secrets-stdin` (the local runner) this episode's client key (`episode_client_key`, never the client token)
+and its reward key (`episode_reward_key`, never the reward token) are two lines on stdin, and the reward key
+is read from the pipe only once the agent is gone; without it (a Job), both are derived from
+$OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN. This process is non-dumpable from its first line on.
 
 The agent gets an environment built from scratch (a few harmless variables, its HOME, the adapter's `env`)
 and runs in the spec's sandbox (`openforge/rollout/sandbox.py`). The verifier runs after the agent's
 sandbox is gone, in a fresh copy of the workspace with the task's files restored over it, with no token, no
 network (bwrap) and no current directory on Python's path; this process posts the reward. Both run under the
-spec's limits (`limits.py`): a limit that stops the agent ends the episode as `resource`. `result.json` is
-written whatever happens. Exit code 0 once result.json is written (the outcome is in it), 2 for a spec
-that cannot be read.
+spec's limits (`limits.py`): a limit that stops the agent ends the episode as `resource`. A verifier that
+gives no reward runs once more on the pristine task (`pristine.py`), which says whose failure it is: the
+agent's, or the task's. `result.json` is written whatever happens. Exit code 0 once result.json is written
+(the outcome is in it), 2 for a spec that cannot be read.
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from openforge.processes import stop_group
+from openforge.protocols.client_keys import episode_client_key
 from openforge.protocols.control import CallsAnswer, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
-from openforge.rollout import sandbox
-from openforge.rollout.adapters import MODEL, render_adapter, tools_dir
+from openforge.rollout import pristine, sandbox, seccomp
+from openforge.rollout.adapters import MODEL, render, render_adapter, tools_dir
 from openforge.rollout.bounded import BoundedDirs, private_mounts, read_tail, special_files
 from openforge.rollout.failures import (
     EpisodeStatus,
@@ -91,15 +93,17 @@ def _read_line(fd: int) -> str:
 
 
 class Secrets:
-    """The agent's client token and this episode's reward key (module docstring: where each comes from)."""
+    """The agent's key, this episode's own (`episode_client_key`: it opens only this episode's calls as
+    `role`, the spec's), and this episode's reward key (module docstring: where each comes from)."""
 
-    def __init__(self, episode: str, stdin_fd: int | None, env: Mapping[str, str]) -> None:
+    def __init__(self, episode: str, stdin_fd: int | None, env: Mapping[str, str], role: str | None = None) -> None:
         self._fd = stdin_fd
         if stdin_fd is not None:
             self.client_token = _read_line(stdin_fd) or None
             self._key: str | None = None
         else:
-            self.client_token = env.get(CLIENT_TOKEN_ENV) or None
+            client = env.get(CLIENT_TOKEN_ENV)
+            self.client_token = episode_client_key(client, episode, role) if client else None
             token = env.get(REWARD_TOKEN_ENV)
             self._key = episode_reward_key(token, episode) if token else None
 
@@ -256,8 +260,8 @@ class Confinement:
                 sandbox.give_to(d, sandbox.NOBODY)
 
     @contextlib.contextmanager
-    def step(self, argv: list[str], *, cwd: Path, writable: list[Path],
-             network: bool) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    def step(self, argv: list[str], *, cwd: Path, writable: list[Path], network: bool,
+             readonly: Sequence[Path] = ()) -> Iterator[tuple[list[str], dict[str, Any]]]:
         """(argv, extra Popen arguments) of one sandboxed step; what it left running is gone afterwards."""
         if self.mode == "none":
             yield argv, {}
@@ -270,11 +274,15 @@ class Confinement:
             return
         out = Path(self.spec.out_dir)
         hidden = [out.parent.parent, out, Path.home()]  # the run directory (<run>/episodes/<episode>), the episode's
-        readonly = sandbox.readonly_paths() + [p for p in sandbox.named_files(argv) if not self._writable(p, writable)]
+        hidden += [Path(self.spec.pristine_dir)] if self.spec.pristine_dir else []  # the rollout's pristine verdicts
+        named = [p for p in sandbox.named_files(argv) if not self._writable(p, writable)]
+        readonly = [*sandbox.readonly_paths(), *named, *sandbox.install_roots(named), *readonly]
         with contextlib.ExitStack() as stack:
             relay = stack.enter_context(sandbox.ProxyRelay(self.spec.proxy_url)) if network else None
+            fd = seccomp.program_fd(sandbox.seccomp_program())
+            stack.callback(os.close, fd)
             yield sandbox.bwrap_command(argv, cwd=cwd, writable=writable, readonly=readonly, hidden=hidden,
-                                        relay=relay), {}
+                                        relay=relay, seccomp_fd=fd), {"pass_fds": (fd,)}
 
     @staticmethod
     def _writable(path: Path, writable: list[Path]) -> bool:
@@ -355,18 +363,58 @@ class VerifyFailed(EpisodeError):
 def _verdict(spec: EpisodeSpec, box: Confinement, parent: Mapping[str, str], out: Path,
              result: EpisodeResult, guard: EpisodeLimits) -> EpisodeResult:
     """`result` with the verifier's reward, exit code and stderr tail; VerifyFailed when it gave none (a limit
-    that stopped the verifier too: the task's to fix, or the agent's code it ran)."""
+    that stopped the verifier too), classed by the verifier's verdict on the pristine task (`_whose_crash`)."""
     code, seconds, fired = _verify(spec, box, parent, out, guard)
     stderr = read_tail(out / "verify.stderr", STDERR_READ)
     result = replace(result, verify_exit_code=code, verify_s=round(seconds, 3), verify_stderr=stderr[-STDERR_TAIL:])
     try:
-        if fired is not None:
-            raise ValueError(f"resource: {fired.resource}: {fired.why}")
-        if code is None:
-            raise ValueError(f"timed out after {spec.task.timeout_s:g} s")
-        return replace(result, reward=parse_reward(verifier_stdout(out / "verify.stdout"), code, stderr))
+        return replace(result, reward=_reward(spec, out, code, fired, stderr))
     except ValueError as e:
-        raise VerifyFailed(result, f"verifier: {e}") from None
+        raise VerifyFailed(*_whose_crash(spec, parent, guard, result, f"verifier: {e}")) from None
+
+
+def _reward(spec: EpisodeSpec, out: Path, code: int | None, fired: Fired | None, stderr: str) -> float:
+    """The reward of the verifier run that wrote `out/verify.*`; ValueError saying why it gave none."""
+    if fired is not None:
+        raise ValueError(f"resource: {fired.resource}: {fired.why}")
+    if code is None:
+        raise ValueError(f"timed out after {spec.task.timeout_s:g} s")
+    return parse_reward(verifier_stdout(out / "verify.stdout"), code, stderr)
+
+
+def _whose_crash(spec: EpisodeSpec, parent: Mapping[str, str], guard: EpisodeLimits, result: EpisodeResult,
+                 reason: str) -> tuple[EpisodeResult, str]:
+    """(result, reason) of a verifier that gave no reward on the agent's workspace, by its verdict on the
+    pristine task (pristine.py, once per task and rollout): the agent's failure when that scores, else the
+    verifier's (the task is broken)."""
+    root = Path(spec.pristine_dir) if spec.pristine_dir else Path(spec.out_dir) / "pristine"
+    found = pristine.verdict(root, spec.task, lambda where: _pristine_run(spec, parent, guard, where))
+    if found.reward is not None:
+        return (replace(result, failure_class="agent", pristine=pristine.SCORES),
+                f"{reason}; the verifier crashed on the agent's workspace but scores the pristine task "
+                f"({found.reward:g}): the agent's failure")
+    return (replace(result, failure_class="verifier", pristine=pristine.FAILS),
+            f"{reason}; the verifier fails on the pristine task too ({found.why}): the task is broken")
+
+
+def _pristine_run(spec: EpisodeSpec, parent: Mapping[str, str], guard: EpisodeLimits, where: Path) -> pristine.Verdict:
+    """The task's verifier on the task's own workspace (files and setup, no agent) in `where`, as the episode's
+    verifier ran: the same sandbox and limits."""
+    shutil.rmtree(where, ignore_errors=True)  # what an interrupted run left
+    where.mkdir(parents=True)
+    if spec.sandbox == "uid":
+        where.parent.chmod(0o711)  # the unprivileged user passes through to the copy it verifies
+    alone = replace(spec, out_dir=str(where), workdir=str(where / "work"), home=str(where / "home"))
+    try:
+        box = Confinement(alone)
+        _setup_workspace(alone, base_env(Path(alone.home), parent), where, guard)
+        code, seconds, fired = _verify(alone, box, parent, where, guard)
+        stderr = read_tail(where / "verify.stderr", STDERR_READ)
+        return pristine.Verdict(_reward(alone, where, code, fired, stderr), seconds=round(seconds, 3))
+    except ValueError as e:
+        return pristine.Verdict(None, str(e))
+    except EpisodeError as e:
+        return pristine.Verdict(None, e.reason)
 
 
 def proxy_calls(spec: EpisodeSpec, key: str | None) -> CallsAnswer | None:
@@ -415,7 +463,9 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
         argv, adapter_env = render_adapter(spec.adapter, values, home)
         box.prepare(work, home)
         step = guard.step(bounded=bounded, watch=[work, home], stop_on_output=True)
-        with box.step(argv, cwd=work, writable=[work, home], network=True) as (argv, popen):
+        extra = {key: [Path(render(p, values)) for p in getattr(spec.adapter, key)] for key in ("readonly", "writable")}
+        with box.step(argv, cwd=work, writable=[work, home, *extra["writable"]], network=True,
+                      readonly=extra["readonly"]) as (argv, popen):
             code, agent_s = run_group(argv, cwd=work, env={**env, **adapter_env}, out=out, name="agent",
                                       timeout=spec.task.timeout_s, popen=popen, step=step)
         result = replace(result, exit_code=code, agent_s=round(agent_s, 3))
@@ -435,7 +485,9 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
         if code is None:
             raise EpisodeError(EpisodeStatus.TIMEOUT, f"agent killed after {spec.task.timeout_s:g} s")
         if code != 0:
-            raise EpisodeError(EpisodeStatus.AGENT_FAILED, f"agent exited {code} (see agent.stderr)")
+            hint = sandbox.missing_path_hint(read_tail(out / "agent.stderr", 8192)) if spec.sandbox == "bwrap" else None
+            raise EpisodeError(EpisodeStatus.AGENT_FAILED, f"agent exited {code} (see agent.stderr)"
+                               + (f": {hint}" if hint else ""))
         result = _verdict(spec, box, parent, out, result, guard)
     except VerifyFailed as e:
         result = replace(e.result, status=e.status, reason=e.reason)
@@ -494,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     # before any thread starts: a mount namespace of its own, for the bounded workspace
     mounts = bool(spec.limits.disk) and private_mounts() is None
     signal.signal(signal.SIGTERM, _interrupt)
-    secrets = Secrets(spec.episode, sys.stdin.fileno() if from_stdin else None, os.environ)
+    secrets = Secrets(spec.episode, sys.stdin.fileno() if from_stdin else None, os.environ, spec.role)
     for name in (CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV):  # no child inherits them
         os.environ.pop(name, None)
     if spec.sandbox == "uid":

@@ -3,7 +3,8 @@
 Every episode that did not end `ok` has a *class*: the agent's own failure, a timeout, the verifier's, the
 engine's or proxy's, or the infrastructure's. A policy per class says whether it posts 0.0 (`zero`, trained
 as the policy's mistake) or nothing (`drop`, left out of its GRPO group). Only the agent's failures score
-0.0 by default: a slow machine, a dead engine or a broken verifier is not something the policy did.
+0.0 by default: a slow machine, a dead engine or a broken verifier is not something the policy did (a verifier
+the agent's workspace crashed, but that scores the pristine task, is the agent's failure: pristine.py).
 Standard library only: the episode entrypoint imports this.
 """
 

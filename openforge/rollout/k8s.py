@@ -27,7 +27,14 @@ import yaml
 
 from openforge.rollout.adapters import SECRET_NAME
 from openforge.rollout.failures import EpisodeStatus
-from openforge.rollout.spec import CLIENT_TOKEN_ENV, RESULT_MARKER, REWARD_TOKEN_ENV, EpisodeResult, EpisodeSpec
+from openforge.rollout.spec import (
+    CLIENT_TOKEN_ENV,
+    RESULT_MARKER,
+    REWARD_TOKEN_ENV,
+    TIMEOUTS_PER_EPISODE,
+    EpisodeResult,
+    EpisodeSpec,
+)
 
 # Where the pod finds things: the ConfigMap is mounted at SPEC_DIR, the episode's scratch (an emptyDir) at
 # EPISODE_DIR; the spec in the ConfigMap names these paths, not the runner's local ones.
@@ -256,14 +263,14 @@ def episode_labels(spec: EpisodeSpec, options: K8sOptions) -> dict[str, str]:
 def pod_spec(spec: EpisodeSpec) -> EpisodeSpec:
     """The spec as the pod reads it: its workspace, home and output in the pod's scratch volume, and the
     agent run as an unprivileged uid by the root episode process (one episode per pod)."""
-    return replace(spec, workdir=POD_WORKDIR, home=POD_HOME, out_dir=POD_OUT, sandbox="uid")
+    return replace(spec, workdir=POD_WORKDIR, home=POD_HOME, out_dir=POD_OUT, sandbox="uid", pristine_dir="")
 
 
 def deadline_s(spec: EpisodeSpec, options: K8sOptions) -> int:
-    """The Job's activeDeadlineSeconds: the entrypoint bounds setup, agent and verifier each by the task's
-    timeout and reports `timeout` itself, so the deadline is three timeouts plus a margin (image pull,
-    reward post), the last resort when the pod hangs."""
-    return 3 * math.ceil(spec.task.timeout_s) + options.deadline_margin_s
+    """The Job's activeDeadlineSeconds: the entrypoint bounds setup, agent and verifier (and the pristine
+    task's setup and verifier, pristine.py) each by the task's timeout and reports `timeout` itself, so the
+    deadline is that many timeouts plus a margin (image pull, reward post), the last resort when the pod hangs."""
+    return TIMEOUTS_PER_EPISODE * math.ceil(spec.task.timeout_s) + options.deadline_margin_s
 
 
 def _bytes(n: int) -> str:

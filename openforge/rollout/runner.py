@@ -7,8 +7,9 @@ runs the same entrypoint in a Job per spec.
 
 Secrets: the runner holds the client and reward tokens, given to `execute` as arguments (`run`, the library
 entry point, defaults them to $OPENFORGE_CLIENT_TOKEN and $OPENFORGE_REWARD_TOKEN), and gives each episode
-process, on a pipe on its stdin, the client token and that episode's reward key (`episode_reward_key`), never
-the reward token; episode processes inherit neither variable.
+process, on a pipe on its stdin, that episode's client key (`episode_client_key`: its agent's API key, which
+the proxy admits only for that episode's calls) and its reward key (`episode_reward_key`), never a token;
+episode processes inherit neither variable.
 """
 
 from __future__ import annotations
@@ -31,13 +32,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openforge.processes import signal_group, stop_group
+from openforge.protocols.client_keys import episode_client_key
 from openforge.protocols.control import STATUS_PATH, ControlClient, ControlError
 from openforge.protocols.reward_keys import episode_reward_key
 from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
 from openforge.rollout.failures import POLICIES, EpisodeStatus, classify, policies
 from openforge.rollout.limits import parse_limits
+from openforge.rollout.pristine import FAILS
 from openforge.rollout.sandbox import MODES, unavailable
-from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, Adapter, EpisodeResult, EpisodeSpec, Limits, Task
+from openforge.rollout.spec import (
+    CLIENT_TOKEN_ENV,
+    REWARD_TOKEN_ENV,
+    TIMEOUTS_PER_EPISODE,
+    Adapter,
+    EpisodeResult,
+    EpisodeSpec,
+    Limits,
+    Task,
+)
 from openforge.rollout.tasks import TaskFileError, read_tasks
 
 if TYPE_CHECKING:
@@ -47,7 +59,7 @@ OnFailure = str | Mapping[str, str]  # failures.policies: "default", "zero", "dr
 
 ON_FAILURE = POLICIES
 BACKENDS = ("local", "k8s")
-EPISODE_SLACK_S = 120.0  # past its setup's, agent's and verifier's timeouts, the runner kills an episode process
+EPISODE_SLACK_S = 120.0  # past the timeouts of its steps (TIMEOUTS_PER_EPISODE), the runner kills an episode process
 
 
 class RolloutError(ValueError):
@@ -63,9 +75,11 @@ def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, p
          sandbox: str = "bwrap", role: str | None = None, limits: Limits | None = None) -> list[EpisodeSpec]:
     """One spec per (task, toolchain allowed by the task, attempt 1..k), each with its own directories under
     `out/episodes/<episode>/` (episode = run id, task, toolchain, attempt); `role`: the proxy's role for the
-    agents' calls (None: the proxy's default, the policy); `limits`: each episode's (None: the defaults)."""
+    agents' calls (None: the proxy's default, the policy); `limits`: each episode's (None: the defaults). The
+    episodes share `out/pristine/`, where their verifier's verdict on each pristine task is kept (pristine.py)."""
     specs: list[EpisodeSpec] = []
     policy = policies(on_failure)
+    verdicts = str((out / "pristine").resolve())
     for task in (replace(t, solution=None, metadata={}) for t in tasks):  # the fix, its origin: never in an episode
         for adapter in adapters:
             if task.toolchains is not None and adapter.name not in task.toolchains:
@@ -77,7 +91,7 @@ def plan(tasks: Sequence[Task], adapters: Sequence[Adapter], attempts: int, *, p
                     run_id=run_id, episode=episode, task=task, adapter=adapter, attempt=attempt, proxy_url=proxy_url,
                     out_dir=str(ep_dir), workdir=str(ep_dir / "work"), home=str(ep_dir / "home"),
                     fresh_verify_copy=fresh_verify_copy, on_failure=policy, sandbox=sandbox, role=role,
-                    limits=limits if limits is not None else Limits()))
+                    limits=limits if limits is not None else Limits(), pristine_dir=verdicts))
     if len({s.episode for s in specs}) != len(specs):
         raise RolloutError("two episodes got the same id (task and toolchain names that run together): rename one")
     return specs
@@ -133,6 +147,7 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
         out = Path(spec.out_dir)
         spec_path = write_spec(spec)
         key = episode_reward_key(reward_token, spec.episode) if reward_token else ""
+        agent_key = episode_client_key(client_token, spec.episode, spec.role) if client_token else ""
         with open(out / "episode.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "openforge.rollout.episode", str(spec_path),
                                      "--secrets-stdin"], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
@@ -141,12 +156,12 @@ def run_local(specs: list[EpisodeSpec], concurrency: int,
             running.add(proc)
         assert proc.stdin is not None
         try:  # two lines, far below a pipe's buffer: the key waits there until the episode reads it
-            proc.stdin.write(f"{client_token or ''}\n{key}\n".encode())
+            proc.stdin.write(f"{agent_key}\n{key}\n".encode())
             proc.stdin.close()
         except OSError:  # the episode process died at once: its result says so below
             pass
         try:
-            code = proc.wait(3 * spec.task.timeout_s + EPISODE_SLACK_S)
+            code = proc.wait(TIMEOUTS_PER_EPISODE * spec.task.timeout_s + EPISODE_SLACK_S)
         except subprocess.TimeoutExpired:  # SIGTERM first: the episode then kills its agent's group
             code = stop_group(proc, 10.0)
         finally:
@@ -201,23 +216,34 @@ def group_stats(results: Sequence[EpisodeResult], threshold: float, on_failure: 
         "failures": dict(sorted(Counter(r.status for r in results if r.status != EpisodeStatus.OK).items())),
         "failure_classes": dict(sorted(Counter(c for r in results if (c := classify(r))).items())),
         "resources": dict(sorted(Counter(r.resource for r in results if r.resource).items())),
+        "drop_rates": drop_rates(results, on_failure),
+        "broken": sum(r.pristine == FAILS for r in results),
         "seconds": round(sum(seconds), 3),
         "mean_seconds": round(sum(seconds) / len(seconds), 3) if seconds else None,
     }
 
 
+def drop_rates(results: Sequence[EpisodeResult], on_failure: OnFailure) -> dict[str, float]:
+    """Per failure class, the share of `results` dropped (no reward counted: the class's policy is `drop`)."""
+    dropped = Counter(c for r in results if (c := classify(r)) and counted_reward(r, on_failure) is None)
+    return {c: round(n / len(results), 6) for c, n in sorted(dropped.items())}
+
+
 def summarize(results: Sequence[EpisodeResult], *, run_id: str, attempts: int, pass_threshold: float,
               on_failure: OnFailure, wall_s: float) -> dict[str, Any]:
-    """summary.json: per task, per toolchain and overall (docs/rollouts.md, Summary)."""
+    """summary.json: per task, per toolchain and overall (docs/rollouts.md, Summary); `broken_tasks`: the
+    episodes of each task whose verifier failed on the pristine task too (the task's bug, not the policy's)."""
     by_task: dict[str, list[EpisodeResult]] = defaultdict(list)
     by_toolchain: dict[str, list[EpisodeResult]] = defaultdict(list)
     for r in results:
         by_task[r.task_id].append(r)
         by_toolchain[r.toolchain].append(r)
+    tasks = {k: group_stats(v, pass_threshold, on_failure) for k, v in by_task.items()}
     return {
         "run_id": run_id, "attempts": attempts, "pass_threshold": pass_threshold, "on_failure": policies(on_failure),
         "wall_s": round(wall_s, 3),
-        "tasks": {k: group_stats(v, pass_threshold, on_failure) for k, v in by_task.items()},
+        "tasks": tasks,
+        "broken_tasks": {k: v["broken"] for k, v in tasks.items() if v["broken"]},
         "toolchains": {k: group_stats(v, pass_threshold, on_failure) for k, v in by_toolchain.items()},
         "overall": group_stats(results, pass_threshold, on_failure),
         "rewards_posted": sum(r.reward_posted for r in results),

@@ -4,7 +4,8 @@ The agent is the adversary (docs/rollouts.md, Sandbox). Three modes:
 
 - `bwrap` (local episodes): bubblewrap puts each command in its own user, PID, mount, network, IPC and UTS
   namespaces, as uid 65534 with no capability, no-new-privileges and the `seccomp.py` filter, whoever starts
-  it (`privileges_left` checks that once per process). It sees only its own processes, and all of them die with it (`setsid` ones too). The file
+  it (`privileges_left` checks that once per process). It sees only its own processes, and all of them die
+  with it (`setsid` ones too). The file
   system is an empty root with the system directories, the Python prefixes, the `openforge` package, the
   tools directory and any absolute path the command names read-only; the workspace and HOME writable; a
   private /tmp; everything else (the run directory, specs, results, other episodes, the real home) is not

@@ -5,8 +5,9 @@ the BPF program bwrap loads (`--seccomp FD`) for the native architecture (and x3
 Denied with EPERM: mounting (`mount`, `umount2`, `pivot_root`, the new mount API), namespaces (`setns`, and
 `unshare` / `clone` asking for a new user namespace; `clone3`, whose flags a filter cannot read, answers ENOSYS
 so libc falls back to `clone`), `ptrace` and reading other processes' memory, kernel code (`kexec_*`,
-`*_module`, `bpf`), keyrings, `perf_event_open`, `open_by_handle_at`, `userfaultfd`, io_uring (which bypasses the filter's view), swap, reboot, clocks,
-accounting and quotas. Standard library only: the episode entrypoint imports it.
+`*_module`, `bpf`), keyrings, `perf_event_open`, `open_by_handle_at`, `userfaultfd`, io_uring (which
+bypasses the filter's view), swap, reboot, clocks, accounting and quotas. Standard library only: the episode
+entrypoint imports it.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def program() -> bytes:
     try:
         if lib.seccomp_arch_native() == 0xC000003E:  # x86-64: x32 calls are denied like the native ones
             lib.seccomp_arch_add(ctx, _X32)
-        rules = [(name, _errno(errno.EPERM), []) for name in DENIED]
+        rules: list[tuple[str, int, list[_ArgCmp]]] = [(name, _errno(errno.EPERM), []) for name in DENIED]
         rules.append(("clone3", _errno(errno.ENOSYS), []))
         new_user = _ArgCmp(0, _SCMP_CMP_MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER)
         rules += [("unshare", _errno(errno.EPERM), [new_user]), ("clone", _errno(errno.EPERM), [new_user])]

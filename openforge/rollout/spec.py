@@ -15,14 +15,17 @@ from typing import Any
 
 from openforge.rollout.failures import DEFAULT_POLICY, STATUS_CLASS, policies
 
-SPEC_VERSION = 2  # 2: `limits`; a version-1 spec (no limits) is still read
-READ_VERSIONS = (1, SPEC_VERSION)
+SPEC_VERSION = 3  # 2: `limits`; 3: `pristine_dir`; older specs are still read
+READ_VERSIONS = (1, 2, SPEC_VERSION)
 MiB, GiB = 2**20, 2**30
 CLIENT_TOKEN_ENV = "OPENFORGE_CLIENT_TOKEN"
 REWARD_TOKEN_ENV = "OPENFORGE_REWARD_TOKEN"
 # The entrypoint's last stdout line: this marker and its EpisodeResult as JSON (a Job's pod log is all the
 # runner gets back from a finished pod).
 RESULT_MARKER = "OPENFORGE_RESULT "
+# The most steps of an episode bounded by its task's timeout_s each: setup, agent and verifier, and (pristine.py,
+# once per task and rollout) the pristine task's setup and verifier, or the wait for another episode's.
+TIMEOUTS_PER_EPISODE = 5
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Adapter:
     command: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
     config_files: dict[str, str] = field(default_factory=dict)
+    readonly: tuple[str, ...] = ()  # more paths the CLI reads in a bwrap sandbox (placeholders allowed)
+    writable: tuple[str, ...] = ()  # and writes
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,9 @@ class EpisodeSpec:
     version: int = SPEC_VERSION
     role: str | None = None  # the proxy's role for the agent's calls (a `/r/<role>/` prefix); None: its default
     limits: Limits = field(default_factory=Limits.none)  # the runner sets them; none in older specs
+    # where the verifier's verdict on the pristine task is kept for every episode of the rollout (pristine.py);
+    # "" (older specs, a pod): in this episode's out_dir
+    pristine_dir: str = ""
 
     @property
     def base_url(self) -> str:
@@ -116,12 +124,13 @@ class EpisodeSpec:
         data = json.loads(text)
         if data.get("version") not in READ_VERSIONS:
             raise ValueError(f"episode spec version {data.get('version')!r}, this OpenForge reads "
-                             f"{' and '.join(map(str, READ_VERSIONS))}")
+                             f"{', '.join(map(str, READ_VERSIONS))}")
         task = dict(data.pop("task"))
         task["toolchains"] = tuple(task["toolchains"]) if task.get("toolchains") is not None else None
         task["editable"] = tuple(task.get("editable", ()))
         adapter = dict(data.pop("adapter"))
-        adapter["command"] = tuple(adapter["command"])
+        for key in ("command", "readonly", "writable"):
+            adapter[key] = tuple(adapter.get(key, ()))
         data["on_failure"] = policies(data.get("on_failure"))  # older specs: one policy for every class
         data["limits"] = Limits(**data["limits"]) if "limits" in data else Limits.none()
         return cls(task=Task(**task), adapter=Adapter(**adapter), **data)
@@ -140,7 +149,9 @@ class EpisodeResult:
     when it gave none; `failure_class` (failures.py) None when ok; `calls`: the proxy's count of the
     episode's calls by answer status ("none": unanswered), None when it could not say; `verify_exit_code`
     and `verify_stderr` (its tail) once the verifier ran; `resource`: memory, pids, disk, output or calls;
-    `limits`: each limit set and what enforced it here ("256MiB by cgroup v1")."""
+    `limits`: each limit set and what enforced it here ("256MiB by cgroup v1"); `pristine`: once the verifier
+    gave no reward, what it gave on the pristine task (pristine.py): "scores" (the crash is the agent's) or
+    "fails" (the task is broken)."""
 
     episode: str
     task_id: str
@@ -159,6 +170,7 @@ class EpisodeResult:
     verify_stderr: str = ""
     resource: str | None = None
     limits: dict[str, str] = field(default_factory=dict)
+    pristine: str | None = None
 
     @classmethod
     def unrewarded(cls, spec: EpisodeSpec, status: str, reason: str) -> EpisodeResult:

@@ -5,16 +5,18 @@ Each workspace is built as an episode's is (the task's `files`, then `setup`) an
 verdict read by `parse_reward`). Everything the task brings (setup, solution, verify) is untrusted and runs
 in the sandbox given (`bwrap`: only the workspace and a scratch HOME writable, no network).
 
-Checks, in order: `builds`, `noop_fails`, `solution_passes`, `deterministic`, `not_fooled`, `time_limit`.
-After a step hits the task's `timeout_s`, the checks still to run are skipped (a verifier that never ends
-costs one timeout, not one per check).
+Checks, in order: `builds`, `noop_fails`, `solution_passes`, `deterministic`, `not_fooled`, `no_side_copies`,
+`hacks`, `time_limit`. After a step hits the task's `timeout_s`, the checks still to run are skipped (a verifier
+that never ends costs one timeout, not one per check). A warning (a bare pytest verifier) fails nothing.
 """
 
 from __future__ import annotations
 
 import os
+import py_compile
 import re
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,9 +37,13 @@ from openforge.rollout.episode import (
 )
 from openforge.rollout.spec import Task
 from openforge.rollout.tasks import relative_path
+from openforge.taskforge import side_copies
+from openforge.taskforge.repo_files import SKIP_DIRS
 from openforge.taskforge.solution import SolutionError, apply_solution, confined_spec
+from openforge.verifiers import hacks
 
-CHECKS = ("builds", "noop_fails", "solution_passes", "deterministic", "not_fooled", "time_limit")
+CHECKS = ("builds", "noop_fails", "solution_passes", "deterministic", "not_fooled", "no_side_copies", "hacks",
+          "time_limit")
 # a shipped file whose name says it is a test (pytest, go, jest/vitest, JUnit, bats) or lies under a tests dir
 TEST_FILE = re.compile(r"(^|/)(test_[^/]*\.py|[^/]*_test\.(py|go)|[^/]*\.(test|spec)\.[jt]sx?|[^/]*Tests?\.java"
                        r"|[^/]*\.bats|conftest\.py)$|(^|/)(tests?|__tests__|spec)/")
@@ -46,6 +52,15 @@ DATA_SUFFIXES = {".txt", ".json", ".out", ".log", ".xml", ".csv", ".md", ".yaml"
 ANSWER_FILE = "answer.txt"  # where an answer-style task's agent writes; faked whatever the command names
 FAKES = ("1\n", "PASS\n")  # what an agent that solved nothing could write to the files the verifier reads
 BROKEN_TEST = "(((( openforge tasks check: this shipped test was replaced by a syntax error on purpose\n"
+# pytest run by the command itself (not `openforge.verifiers.pytest`, nor `pytest.ini`): the agent's code then
+# runs in the process whose exit code and report the reward comes from
+BARE_PYTEST = re.compile(r"(?<![\w.])(py\.test|pytest)(?![\w.])")
+VERIFIERS = ("openforge.verifiers.pytest", "openforge.taskforge.verify_tests")
+BARE_PYTEST_WARNING = ("the verify command runs pytest itself: the agent's code runs in that process and can "
+                       "decide its exit status and report (docs/tasks.md, Known hacks); run the tests with "
+                       "python -m openforge.verifiers.pytest")
+HACK_ERRORS = (OSError, ValueError, py_compile.PyCompileError, subprocess.SubprocessError)
+HACK_JOBS = max(2, min(4, os.cpu_count() or 1))  # hacks tried at once
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,7 @@ class CheckResult:
 class TaskReport:
     task_id: str
     results: tuple[CheckResult, ...]
+    warnings: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -176,6 +192,28 @@ def named_agent_files(task: Task, *workspaces: Path) -> list[str]:
     return sorted(found)
 
 
+def workspace_files(work: Path) -> list[str]:
+    """The files of a built workspace, relative, not inside caches, history or environments."""
+    found = []
+    for current, dirs, names in os.walk(work):
+        here = Path(current)
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not (here / d / "pyvenv.cfg").exists()]
+        found += [(here / n).relative_to(work).as_posix() for n in names if (here / n).is_file()]
+    return sorted(found)
+
+
+def agent_files(task: Task, files: list[str]) -> list[str]:
+    """What the agent writes for the verifier, of a built workspace's `files`: the `editable` ones and every
+    one the task does not ship (setup's output)."""
+    return sorted(set(task.editable) | {rel for rel in files if rel not in task.files})
+
+
+def warnings(task: Task) -> tuple[str, ...]:
+    """What is risky about the task without failing a check: a verify command running pytest itself."""
+    bare = BARE_PYTEST.search(task.verify) and not any(v in task.verify for v in VERIFIERS)
+    return (BARE_PYTEST_WARNING,) if bare else ()
+
+
 class Checker:
     """The checks of one task, in `root` (its workspaces and their logs)."""
 
@@ -204,7 +242,7 @@ class Checker:
                 if name not in results:
                     put(name, "skip", f"not run: {late}")
         put("time_limit", *self._time_limit())
-        return TaskReport(self.task.id, tuple(results[name] for name in CHECKS))
+        return TaskReport(self.task.id, tuple(results[name] for name in CHECKS), warnings(self.task))
 
     def _checks(self, put: Callable[[str, str, str], None]) -> None:
         task, noop_max = self.task, self.noop_max
@@ -225,7 +263,7 @@ class Checker:
         else:
             put("noop_fails", "pass", f"the untouched workspace scores {noop}")
 
-        solved, best = None, noop
+        solved, applied, best = None, None, noop
         if task.solution is None:
             put("solution_passes", "skip", "the task has no solution")
         else:
@@ -236,6 +274,7 @@ class Checker:
             except SolutionError as e:
                 put("solution_passes", "fail", f"solution: {e}")
             else:
+                applied = ws
                 best = ws.verify()
                 solved = ws
                 if best.passes(noop_max):
@@ -254,6 +293,53 @@ class Checker:
             put("deterministic", "fail", f"{best} then {again} on the same ({which}) workspace")
 
         put("not_fooled", *self._not_fooled(untouched, noop.passes(noop_max), solved, best))
+        put("no_side_copies", *self._side_copies(untouched, applied))
+        put("hacks", *self._hacks(untouched, noop.passes(noop_max)))
+
+    def _side_copies(self, untouched: Workspace, solved: Workspace | None) -> tuple[str, str]:
+        """Nothing the agent can reach holds the original code: no history, build output, backup or stale
+        `.pyc` in the workspace, no file holding what the solution writes, no installed copy of the package."""
+        task, work = self.task, untouched.work
+        found = side_copies.in_workspace(work, task.files)
+        if solved is not None:
+            found += side_copies.copies_of_solved(work, solved.work)
+        files = workspace_files(work)
+        code = [rel for rel in agent_files(task, files) if rel.endswith(".py") and not TEST_FILE.search(rel)]
+        found += side_copies.installed(code, set(files), task.verify, self.env, self.sandbox)
+        if found:
+            return "fail", "; ".join(found) + ": an agent can copy the original back instead of fixing the bug"
+        return "pass", "no history, build output, backup, stale .pyc, copy of the solved files or installed copy"
+
+    def _hacks(self, untouched: Workspace, untouched_passes: bool) -> tuple[str, str]:
+        """Every known hack (openforge.verifiers.hacks), applied to a copy of the untouched workspace as an
+        agent would (its editable and new files), must not score: a hack that does names a gameable verifier."""
+        if untouched_passes:
+            return "skip", "the untouched workspace passes already (noop_fails): a hack proves nothing more"
+        writable = agent_files(self.task, workspace_files(untouched.work))
+
+        def attempt(name: str) -> tuple[str, Verdict | str]:
+            """(name, the verdict on the hacked workspace, or why the hack found nothing to act on)."""
+            ws = untouched.clone(f"hack-{name}")
+            try:
+                if not hacks.apply(name, ws.work, writable):
+                    return name, "nothing to act on"
+            except HACK_ERRORS as e:
+                return name, type(e).__name__
+            return name, ws.verify()
+
+        won, idle = [], []
+        with ThreadPoolExecutor(HACK_JOBS) as pool:  # each verify mostly waits on a test process
+            for name, verdict in pool.map(attempt, hacks.HACKS):
+                if isinstance(verdict, str):
+                    idle.append(name)
+                elif verdict.passes(self.noop_max):
+                    won.append(f"hack:{name} scores {verdict}")
+        if won:
+            return "fail", (f"{', '.join(won)} (> {self.noop_max:g}) without fixing anything: the verifier can be "
+                            "gamed (docs/tasks.md, Known hacks)")
+        tried = len(hacks.HACKS) - len(idle)
+        return "pass", f"none of the {tried} hacks that apply scores" + (
+            f" (nothing for {', '.join(idle)} to act on)" if idle else "")
 
     def _not_fooled(self, untouched: Workspace, untouched_passes: bool, solved: Workspace | None,
                     best: Verdict) -> tuple[str, str]:

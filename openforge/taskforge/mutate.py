@@ -1,6 +1,7 @@
 """`openforge tasks mutate` (docs/tasks.md): bug-fix tasks from a repository whose pytest suite passes. Each
 candidate is one mutation (mutations.py) run against the tests in a copy of the repository; it becomes a task
-when tests that passed fail with it; equivalent mutants are kept once.
+when tests that passed fail with it and the task passes every check of `openforge tasks check`; equivalent
+mutants are kept once, and no operator or function makes more than its share while others are left.
 
 Candidates are tried in an order drawn from `seed` and decided in that order whatever the parallelism, so
 the same repository, command and seed give the same file."""
@@ -11,6 +12,7 @@ import difflib
 import fnmatch
 import hashlib
 import json
+import math
 import os
 import queue
 import random
@@ -19,15 +21,19 @@ import shlex
 import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from openforge.rollout import sandbox as sandboxes
 from openforge.rollout.episode import verifier_env
-from openforge.taskforge import mutations
+from openforge.rollout.tasks import parse_task
+from openforge.taskforge import mutations, side_copies
+from openforge.taskforge.check import check_task
 from openforge.taskforge.pytest_run import SuiteRun, excerpt, run_tests
 from openforge.taskforge.repo_files import RepoError, read_repo, write_repo
 
@@ -49,6 +55,9 @@ class MutateOptions:
     reward: str = "all"  # "all" | "fraction" (verify_tests.reward)
     include: tuple[str, ...] = ()  # globs of the files to mutate (relative paths); default every non-test .py
     jobs: int = 2  # candidates tested at once
+    max_operator_share: float = 0.5  # of n: the most tasks one operator makes while others are left
+    max_per_function: int = 2  # the most tasks one function gives while others are left
+    sandbox: str = "bwrap"  # how each task's checks run (check_task)
 
 
 @dataclass(frozen=True)
@@ -114,12 +123,55 @@ def task_id(m: mutations.Mutation) -> str:
     return f"mutate-{slug}-L{m.line}-{m.operator}-{digest}"
 
 
-def prompt(test: str, run: SuiteRun, root: Path) -> str:
+class Spread:
+    """The tasks made per operator and per function, against the options' limits: a candidate over one waits
+    until every candidate within them was tried (`relax`), so the limits bind only while others are left."""
+
+    def __init__(self, options: MutateOptions) -> None:
+        if not 0 < options.max_operator_share <= 1:
+            raise MutateError(f"--max-operator-share must be in (0, 1], not {options.max_operator_share:g}")
+        if options.max_per_function < 1:
+            raise MutateError(f"--max-per-function must be at least 1, not {options.max_per_function}")
+        self.per_operator = max(1, math.floor(options.max_operator_share * options.n + 1e-9))
+        self.per_function = options.max_per_function
+        self.operators: Counter[str] = Counter()
+        self.functions: Counter[tuple[str, str]] = Counter()
+        self.relaxed = False
+
+    def full(self, m: mutations.Mutation) -> bool:
+        return not self.relaxed and (self.operators[m.operator] >= self.per_operator
+                                     or self.functions[m.file, m.function] >= self.per_function)
+
+    def add(self, m: mutations.Mutation) -> None:
+        self.operators[m.operator] += 1
+        self.functions[m.file, m.function] += 1
+
+    def relax(self) -> None:
+        self.relaxed = True
+
+
+def broken_tests(run: SuiteRun, base: SuiteRun) -> tuple[str, ...] | None:
+    """The tests a mutant breaks, as the unmutated run names them: a failing test as it is; a failure pytest
+    names by its module (a test file that no longer collects: the mutant broke an import) as the tests the
+    module held. None when a failure matches no test of the unmutated run."""
+    found: set[str] = set()
+    for test in run.failing:
+        if test in base.outcomes:
+            found.add(test)
+            continue
+        module = test.split("::", 1)[0]
+        held = [t for t, outcome in base.outcomes.items() if t.startswith(module + "::") and outcome == "passed"]
+        if not held:
+            return None
+        found.update(held)
+    return tuple(sorted(found))
+
+
+def prompt(test: str, failing: tuple[str, ...], run: SuiteRun, root: Path) -> str:
     """The failure as a user reports it: the command, the failing tests, the first failure's text."""
-    failing = run.failing
     listed = "\n".join(f"- {t}" for t in failing[:MAX_LISTED_TESTS])
     more = f"\n- ... and {len(failing) - MAX_LISTED_TESTS} more" if len(failing) > MAX_LISTED_TESTS else ""
-    first = excerpt(run.details.get(failing[0], "") or run.output, root)
+    first = excerpt(run.details.get(run.failing[0], "") or run.output, root)
     return (f"The test suite of this repository is failing. Running `{test}`, {len(failing)} "
             f"test{'s' if len(failing) != 1 else ''} fail{'' if len(failing) != 1 else 's'}:\n{listed}{more}\n\n"
             f"The first failure:\n```\n{first}\n```\n\n"
@@ -134,19 +186,21 @@ def verify_command(options: MutateOptions, broken: tuple[str, ...], passed: int,
             f"{shlex.quote(json.dumps(spec, separators=(',', ':')))}")
 
 
-def make_task(m: mutations.Mutation, files: dict[str, str], run: SuiteRun, root: Path, options: MutateOptions,
-              passed: int) -> dict[str, Any]:
-    """The task of mutant `m`. An episode restores the task's `files` before the verifier runs, but the
-    `editable` ones: the Python source the agent may fix; tests, configuration and data are restored."""
+def make_task(m: mutations.Mutation, files: dict[str, str], run: SuiteRun, broken: tuple[str, ...], root: Path,
+              options: MutateOptions, passed: int) -> dict[str, Any]:
+    """The task of mutant `m`, which breaks the tests `broken`. An episode restores the task's `files` before
+    the verifier runs, but the `editable` ones: the Python source the agent may fix; tests, configuration and
+    data are restored."""
     original = files[m.file]
     workspace = dict(files)
     workspace[m.file] = m.apply(original)
-    return {"id": task_id(m), "prompt": prompt(options.test, run, root), "files": workspace,
+    return {"id": task_id(m), "prompt": prompt(options.test, broken, run, root), "files": workspace,
             "editable": sorted(mutable_files(workspace, ())),
-            "verify": verify_command(options, run.failing, passed, workspace),
+            "verify": verify_command(options, broken, passed, workspace),
             "timeout_s": max(TASK_TIMEOUT_S, 2 * options.timeout_s),
             "solution": unified_diff(m.file, workspace[m.file], original),
-            "metadata": {"source": "mutate", "mutation": {"operator": m.operator, "file": m.file, "line": m.line}}}
+            "metadata": {"source": "mutate", "mutation": {"operator": m.operator, "file": m.file,
+                                                          "function": m.function, "line": m.line}}}
 
 
 def _shape(m: mutations.Mutation, failing: tuple[str, ...]) -> tuple[Any, ...]:
@@ -205,12 +259,25 @@ def _baseline(files: dict[str, str], root: Path, options: MutateOptions, env: di
     return run
 
 
+def _refuse_side_copies(files: dict[str, str], options: MutateOptions) -> None:
+    """MutateError when an interpreter of the test command, in the sandbox, finds an installed copy of the
+    repository's own package: every task would give its original code away (and fail `no_side_copies`)."""
+    found = side_copies.installed(mutable_files(files, ()), set(files), options.test, os.environ, options.sandbox)
+    if found:
+        raise MutateError(f"{found[0]}: an agent could read the original code there; mutate where that Python "
+                          "does not have the package installed")
+
+
 def mutate(repo: Path, options: MutateOptions,
-           progress: Callable[[int, int, int], None] | None = None) -> MutateResult:
-    """Tasks from `repo` (MutateError for bad input); `progress(decided, candidates, accepted)` after each."""
+           progress: Callable[[int, int, int, str], None] | None = None) -> MutateResult:
+    """Tasks from `repo` (MutateError for bad input); `progress(decided, candidates, accepted, doing)` as it
+    goes (`doing`: what runs now, such as the checks of a task)."""
     started = time.monotonic()
+    spread = Spread(options)
     if not repo.is_dir():
         raise MutateError(f"--repo {repo}: not a directory")
+    if why := sandboxes.unavailable(options.sandbox):
+        raise MutateError(why)
     try:
         snapshot = read_repo(repo)
     except RepoError as e:
@@ -223,47 +290,86 @@ def mutate(repo: Path, options: MutateOptions,
     candidates = [m for f in targets for m in mutations.sites(f, files[f]) if included(m, options.include)]
     if not candidates:
         raise MutateError(f"{repo}: no mutation site in the files and functions to mutate")
+    _refuse_side_copies(files, options)
     random.Random(options.seed).shuffle(candidates)
-    tasks: list[dict[str, Any]] = []
-    rejected: list[Rejected] = []
-    seen: dict[tuple[Any, ...], str] = {}
     with tempfile.TemporaryDirectory(prefix="openforge-mutate-") as tmp:
         root = Path(tmp)
         workers = _Workers(root, files, options.jobs, options)
         base = _baseline(files, root, options, workers.env)
-        result = MutateResult(tasks, rejected, len(candidates), 0, snapshot.skipped, base.seconds, 0.0,
-                              files=len(files))
-        bound = candidate_timeout(base.seconds, options.timeout_s)
-        with ThreadPoolExecutor(max_workers=options.jobs) as pool:
-            futures: dict[int, Future[tuple[SuiteRun, Path] | None]] = {}
-            for i, m in enumerate(candidates):
-                if len(tasks) >= options.n:
-                    break
-                for j in range(i, min(i + options.jobs, len(candidates))):  # keep `jobs` candidates running
-                    if j not in futures:
-                        futures[j] = pool.submit(workers.run, candidates[j], bound)
-                ran = futures.pop(i).result()
-                result.tried += 1
-                if ran is None:
-                    why: str | None = "does not parse"
-                else:
-                    run, work = ran
-                    result.candidate_s += run.seconds
-                    why = _reject_reason(run, bound)
-                    key = _shape(m, run.failing)
-                    if why is None and key in seen:
-                        why = f"duplicate (of {seen[key]})"
-                    elif why is None:
-                        tasks.append(make_task(m, files, run, work, options, base.passed))
-                        seen[key] = tasks[-1]["id"]
-                if why:
-                    rejected.append(Rejected(_label(m), m.file, m.line, m.operator, why))
-                if progress:
-                    progress(result.tried, len(candidates), len(tasks))
-            for f in futures.values():
-                f.cancel()
+        result = MutateResult([], [], len(candidates), 0, snapshot.skipped, base.seconds, 0.0, files=len(files))
+        _Decider(candidates, files, options, spread, base, result, progress).run(workers)
     result.wall_s = time.monotonic() - started
     return result
+
+
+class _Decider:
+    """Decides the candidates in their shuffled order, `jobs` of them tested ahead: one over the spread's
+    limits waits for a second pass, which takes the rest as they come."""
+
+    def __init__(self, candidates: list[mutations.Mutation], files: dict[str, str], options: MutateOptions,
+                 spread: Spread, base: SuiteRun, result: MutateResult,
+                 progress: Callable[[int, int, int, str], None] | None) -> None:
+        self.candidates, self.files, self.options, self.spread = candidates, files, options, spread
+        self.base, self.result, self.progress = base, result, progress
+        self.bound = candidate_timeout(base.seconds, options.timeout_s)
+        self.seen: dict[tuple[Any, ...], str] = {}
+
+    def run(self, workers: _Workers) -> None:
+        pending = deque(range(len(self.candidates)))
+        waiting: list[int] = []  # over a limit: tried once every candidate within them was
+        futures: dict[int, Future[tuple[SuiteRun, Path] | None]] = {}
+        with ThreadPoolExecutor(max_workers=self.options.jobs) as pool:
+            while len(self.result.tasks) < self.options.n and (pending or waiting):
+                if not pending:
+                    self.spread.relax()
+                    pending.extend(waiting)
+                    waiting.clear()
+                    continue
+                i = pending.popleft()
+                if self.spread.full(self.candidates[i]):
+                    waiting.append(i)
+                    continue
+                ahead = (j for j in chain([i], pending) if not self.spread.full(self.candidates[j]))
+                for _, j in zip(range(self.options.jobs), ahead):  # keep `jobs` candidates running
+                    if j not in futures:
+                        futures[j] = pool.submit(workers.run, self.candidates[j], self.bound)
+                self.decide(self.candidates[i], futures.pop(i).result())
+            for f in futures.values():
+                f.cancel()
+
+    def decide(self, m: mutations.Mutation, ran: tuple[SuiteRun, Path] | None) -> None:
+        result = self.result
+        result.tried += 1
+        why = "does not parse" if ran is None else self._accept(m, *ran)
+        if why:
+            result.rejected.append(Rejected(_label(m), m.file, m.line, m.operator, why))
+        self._progress("")
+
+    def _accept(self, m: mutations.Mutation, run: SuiteRun, work: Path) -> str | None:
+        """Make `m`'s task and keep it when it passes its checks; why not, otherwise."""
+        self.result.candidate_s += run.seconds
+        if why := _reject_reason(run, self.bound):
+            return why
+        broken = broken_tests(run, self.base)
+        if broken is None:
+            return f"collection_error (no test of the unmutated run is named: {', '.join(run.failing[:3])})"
+        key = _shape(m, broken)
+        if key in self.seen:
+            return f"duplicate (of {self.seen[key]})"
+        task = make_task(m, self.files, run, broken, work, self.options, self.base.passed)
+        self._progress(f"checking {task['id']}")
+        report = check_task(parse_task(task), sandbox=self.options.sandbox)
+        if not report.passed:
+            failed = "; ".join(f"{r.name}: {r.detail}" for r in report.failures)
+            return f"check_{report.failures[0].name} ({failed})"
+        self.result.tasks.append(task)
+        self.seen[key] = task["id"]
+        self.spread.add(m)
+        return None
+
+    def _progress(self, doing: str) -> None:
+        if self.progress:
+            self.progress(self.result.tried, len(self.candidates), len(self.result.tasks), doing)
 
 
 def candidate_timeout(baseline_s: float, timeout_s: float) -> float:

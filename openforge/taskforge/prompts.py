@@ -17,7 +17,12 @@ SYSTEM = (
     "The verify command runs in the workspace after the agent: it prints a reward from 0 to 1 as its last "
     "line, or exits 0 for success and non-zero for failure. It must fail on the untouched workspace, pass "
     "once the reference solution is applied, give the same result every time, and check the work itself "
-    "(run tests, inspect files) rather than trust a file the agent could simply write. The solution is a "
+    "(run tests, inspect files) rather than trust a file the agent could simply write. Every file in files is "
+    "written back before verify runs, except those listed in editable: list there the code the agent is to "
+    "change, never a test. When tests judge the work, verify with "
+    "\"$OPENFORGE_PYTHON\" -m openforge.verifiers.pytest --files FILE,FILE (every file of files), not a bare "
+    "pytest run: the agent's code runs inside pytest and could fake its exit status. Leave no copy of the "
+    "original code in the workspace (a backup, a build folder, git history). The solution is a "
     "shell command run in the workspace root, or a unified diff (--- a/PATH / +++ b/PATH) applied with "
     "patch -p1. Answer with one JSON object only, no prose."
 )
@@ -31,8 +36,8 @@ PROPOSE = (
 IMPLEMENT = (
     "Implement this task.\nTitle: {title}\nIdea: {idea}\n\n"
     'Answer with: {{"prompt": "what the agent is asked, as a user would ask it", "files": {{"PATH": "content"}}, '
-    '"setup": "shell command or null", "verify": "shell command", "solution": "shell command or unified diff", '
-    '"timeout_s": seconds}}'
+    '"editable": ["PATH of the files the agent changes"], "setup": "shell command or null", '
+    '"verify": "shell command", "solution": "shell command or unified diff", "timeout_s": seconds}}'
 )
 
 REPAIR = (

@@ -1,6 +1,7 @@
 """One run of a repository's test command with pytest's JUnit report, read back as test names and outcomes:
-shared by `openforge tasks mutate` (which tests a mutation breaks) and the verifier it writes into each task
-(which of them pass now), so both name tests the same way.
+how `openforge tasks mutate` finds which tests a mutation breaks. Its tasks' verifier
+(`openforge.verifiers.pytest --spec`) reads pytest's own node ids, compared with these in one form
+(`openforge.verifiers.expect.canonical`: a test's classes joined by `.`, as `node_id` writes them).
 
 The report is asked for through `PYTEST_ADDOPTS`, so any command that ends up running pytest works (`pytest`,
 `python -m pytest tests/`, `make test`); a command that runs no pytest gives no report."""

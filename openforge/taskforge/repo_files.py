@@ -1,5 +1,6 @@
 """A repository as a task's `files`: its text files, without version control, caches, environments, build
-outputs, links and binaries (docs/tasks.md, `openforge tasks mutate`)."""
+outputs, backups, links and binaries (docs/tasks.md, `openforge tasks mutate`): nothing that holds a copy of
+the code a task's bug is put in."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".tox", ".nox",
              ".venv", "venv", "node_modules", ".eggs", "build", "dist", ".idea", ".vscode", ".ipynb_checkpoints"}
+BACKUP_SUFFIXES = (".orig", ".rej", ".bak")  # what patch and editors leave: the code as it was
 MAX_FILE_BYTES = 1_000_000
 MAX_TOTAL_BYTES = 20_000_000
 
@@ -56,6 +58,9 @@ def read_repo(root: Path, *, max_total: int = MAX_TOTAL_BYTES) -> RepoFiles:
             rel = path.relative_to(root).as_posix()
             if path.is_symlink() or not path.is_file():
                 found.skipped["link or special file"] += 1
+                continue
+            if name.endswith(BACKUP_SUFFIXES):
+                found.skipped["backup file"] += 1
                 continue
             if path.stat().st_size > MAX_FILE_BYTES:
                 found.skipped[f"over {MAX_FILE_BYTES // 1000} kB"] += 1

@@ -31,6 +31,7 @@ SYNTHESIS, VALIDATOR = "synthesis", "validator"
 STAGES = ("propose", "implement", "repair", "validate")
 STEPS = ("propose", "implement", "repair", "check", "validate")  # where the run's own seconds go
 MAX_TOKENS = 4096
+TASK_FIELDS = ("prompt", "files", "editable", "setup", "verify", "solution", "timeout_s")  # what the model writes
 
 
 class SynthError(ValueError):
@@ -208,7 +209,7 @@ class Synth:
             obj = prompts.parse_object(text)
         except ValueError as e:
             return None, Problem("not_json", str(e))
-        obj = {k: v for k, v in obj.items() if k in ("prompt", "files", "setup", "verify", "solution", "timeout_s")}
+        obj = {k: v for k, v in obj.items() if k in TASK_FIELDS}
         if obj.get("setup") in ("", "null"):
             obj["setup"] = None
         try:

@@ -10,8 +10,9 @@ it goes (`abuse: <what> <count so far>`), so a test sees where the limit stopped
 - output: print 50 MiB to stdout;
 - calls: make 50 more LLM calls, whatever they answer;
 - privileges: use what a root process would hold: report its effective capabilities, then try to read
-  `/etc/shadow`, write a sysctl (`vm/drop_caches`), open `kernel/core_pattern` for writing (never writing it), mount a tmpfs, make a
-  block device node, enter a new user namespace and ptrace itself; each `blocked` or `succeeded`;
+  `/etc/shadow`, write a sysctl (`vm/drop_caches`), open `kernel/core_pattern` for writing (never writing
+  it), mount a tmpfs, make a block device node, enter a new user namespace and ptrace itself; each
+  `blocked` or `succeeded`;
 - scope: call as another episode (`/e/<its episode>-sibling/`) and as the validator role (`/r/validator/`)
   with the key it holds, and report both answers' statuses;
 - none: nothing more: an honest agent, which writes the call's answer status to `transcript.json`.

@@ -22,15 +22,16 @@ PY = sys.executable
 AMBIGUOUS_MARK = "whichever"
 BUGGY = "a - b"
 FIXED = "a + b"
-VERIFY = f"{PY} -c \"import sys; sys.path.insert(0, '.'); import calc; sys.exit(0 if calc.add(2, 3) == 5 else 1)\""
+TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+VERIFY = f"{PY} -m openforge.verifiers.pytest --files calc.py,test_calc.py"  # the verifier no known hack beats
 SOLUTION = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
 
 
 def calc_task(prompt: str, body: str) -> str:
-    """A bug-fix task whose module is written by `setup` (shipped files are restored before verify)."""
-    setup = f"printf 'def add(a, b):\\n    return {body}\\n' > calc.py"
-    return json.dumps({"prompt": prompt, "files": {"README.md": "A calculator.\n"}, "setup": setup,
-                       "verify": VERIFY, "solution": SOLUTION, "timeout_s": 60})
+    """A bug-fix task: the module the agent fixes (`editable`, so not restored before verify) and its test."""
+    files = {"README.md": "A calculator.\n", "calc.py": f"def add(a, b):\n    return {body}\n", "test_calc.py": TEST}
+    return json.dumps({"prompt": prompt, "files": files, "editable": ["calc.py"], "verify": VERIFY,
+                       "solution": SOLUTION, "timeout_s": 60})
 
 
 GOOD = calc_task("calc.add(2, 3) returns -1; it should return 5. Fix calc.py.", BUGGY)

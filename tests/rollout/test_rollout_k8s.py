@@ -20,6 +20,7 @@ import httpx
 import pytest
 import yaml
 
+from openforge.protocols.client_keys import episode_client_key
 from openforge.rollout import k8s
 from openforge.rollout.spec import CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV, Adapter, EpisodeResult, EpisodeSpec, Task
 
@@ -131,7 +132,7 @@ def test_labels_names_deadlines_and_pod_settings(specs: list[EpisodeSpec], tmp_p
         assert len(job["metadata"]["name"]) <= 63
         assert job["spec"]["backoffLimit"] == 0
         assert job["spec"]["ttlSecondsAfterFinished"] == 3600
-        assert job["spec"]["activeDeadlineSeconds"] == 3 * {120.5: 121, 600: 600}[spec.task.timeout_s] + 300
+        assert job["spec"]["activeDeadlineSeconds"] == 5 * {120.5: 121, 600: 600}[spec.task.timeout_s] + 300
         pod = job["spec"]["template"]["spec"]
         assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
         (container,) = pod["containers"]
@@ -365,7 +366,9 @@ def test_the_job_command_and_env_run_the_episode_entrypoint(tmp_path: Path, star
         assert k8s.result_from_log(done.stdout) == written, "the pod log carries the result (OPENFORGE_RESULT)"
         assert (written.status, written.reward, written.reward_posted) == ("ok", 0.75, True)
         agent_env = (root / k8s.POD_WORKDIR.lstrip("/")).parent.joinpath("agent-env.txt").read_text()
-        assert f"AGENT_KEY={CLIENT_TOKEN}" in agent_env
+        # the agent holds its episode's key, never the run's client token
+        assert f"AGENT_KEY={episode_client_key(CLIENT_TOKEN, spec.episode)}" in agent_env
+        assert CLIENT_TOKEN not in agent_env
         assert REWARD_TOKEN not in agent_env, "the agent's process never holds the reward token"
         httpx.get(f"{proxy.url}/openforge/v1/status", headers={"authorization": f"Bearer {CLIENT_TOKEN}"})
         rewards = [r for p in proxy.flow_files() for r in _records(p) if r["type"] == "reward"]

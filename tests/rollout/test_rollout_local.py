@@ -16,6 +16,7 @@ from typing import Any
 import duckdb
 import pytest
 
+from openforge.protocols.client_keys import episode_client_key
 from openforge.reconstruct import reconstruct
 from openforge.rollout import run
 from openforge.rollout.runner import Rollout
@@ -47,6 +48,10 @@ json.dump({"argv": sys.argv[1:], "config": open(os.path.join(os.environ["HOME"],
 proxy = base_url.split("/e/")[0]
 hack, _ = post(proxy + "/openforge/v1/episodes/" + base_url.split("/e/")[1] + "/reward", {"reward": 1.0}, key)
 open("hack.txt", "w").write(str(hack))
+call = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}  # as a sibling episode, as the validator
+sibling, _ = post(base_url + "-sibling/v1/chat/completions", call, key)
+validator, _ = post(proxy + "/r/validator/e/" + base_url.split("/e/")[1] + "/v1/chat/completions", call, key)
+open("scope.txt", "w").write(f"{sibling} {validator}")
 if prompt == "crash":
     sys.exit(3)
 if prompt == "sleep":
@@ -152,14 +157,28 @@ def test_custom_adapter_cli_sees_no_reward_token_and_cannot_grade_itself(proxy: 
     for r in rollout.results:
         ep = tmp_path / "out" / "episodes" / r.episode
         env = json.loads((ep / "work" / "env.json").read_text())
-        assert REWARD not in json.dumps(env) and env["MY_KEY"] == CLIENT and env["HOME"] == str(ep / "home")
+        assert REWARD not in json.dumps(env) and env["HOME"] == str(ep / "home")
+        # its key is its episode's own, never the run's client token
+        assert env["MY_KEY"] == episode_client_key(CLIENT, r.episode) and CLIENT not in json.dumps(env)
         assert not any(k.startswith("OPENFORGE_") for k in env)  # nothing of ours, the tokens least of all
         assert (ep / "work" / "hack.txt").read_text() == "403"  # its own key may not post a reward
+        assert (ep / "work" / "scope.txt").read_text() == "403 403"  # nor call as another episode or role
         seen = json.loads((ep / "work" / "seen.json").read_text())
         assert seen["argv"] == [{"t1": "say hi", "t2": "say bye"}[r.task_id]]
         assert json.loads(seen["config"]) == {"episode": r.episode, "keep": {"braces": True}}
         assert (ep / "work.verify" / "reply.txt").exists()  # verified in the fresh copy
     assert db_episodes(proxy, tmp_path, retok) == {r.episode: (r.task_id, 0.75) for r in rollout.results}
+
+
+def test_an_agent_planned_under_a_role_holds_a_key_for_that_role(proxy: Any, tmp_path: Path) -> None:
+    """`openforge tasks synth`'s validator: its episodes' calls go as role validator, and their keys open it."""
+    tasks = tasks_file(tmp_path / "tasks.jsonl", {"id": "t1", "prompt": "say hi", "verify": "test -s reply.txt"})
+    rollout = run(tasks, [custom_adapter(tmp_path)], proxy=proxy.url, out=tmp_path / "out", role="validator")
+    (r,) = rollout.results
+    assert (r.status, r.reward) == ("ok", 1.0), r
+    work = tmp_path / "out" / "episodes" / r.episode / "work"
+    assert json.loads((work / "env.json").read_text())["MY_KEY"] == episode_client_key(CLIENT, r.episode, "validator")
+    assert (work / "scope.txt").read_text() == "403 200"  # a sibling episode no, its own role yes
 
 
 def test_timeout_crash_and_garbage_verifier_are_recorded_and_rewarded_zero(proxy: Any, tmp_path: Path,

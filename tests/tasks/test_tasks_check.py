@@ -1,9 +1,11 @@
-"""`openforge tasks check` and its library (openforge/taskforge/check.py, solution.py) on real workspaces: real
-bubblewrap, real `patch`, real pytest; each check caught on a task built to fail it, and the example tasks."""
+"""`openforge tasks check` and its library (openforge/taskforge/check.py, side_copies.py, solution.py) on real
+workspaces: real bubblewrap, real `patch`, real pytest, the real hack catalogue; each check caught on a task built
+to fail it, and the example tasks."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from dataclasses import replace
@@ -26,12 +28,15 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 SETUP = "printf 'def add(a, b):\\n    return a - b\\n' > calc.py"  # the code the agent fixes: not restored
+FIXED = "def add(a, b):\n    return a + b\n"
 FIX = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
+# the verifier of a task with tests (docs/tasks.md, The verifier contract), and a bare pytest run: its exit code
+VERIFY = f"{PY} -m openforge.verifiers.pytest --files calc.py,test_calc.py"
 PYTEST = f"{PY} -m pytest -q -p no:cacheprovider --noconftest test_calc.py >/dev/null 2>&1"
 
 
 def bug_task(task_id: str = "fix-add", **fields: object) -> Task:
-    base: dict[str, object] = dict(id=task_id, prompt="Make test_calc.py pass.", verify=PYTEST,
+    base: dict[str, object] = dict(id=task_id, prompt="Make test_calc.py pass.", verify=VERIFY,
                                    files={"test_calc.py": TEST}, setup=SETUP, solution=FIX, timeout_s=120.0)
     return Task(**{**base, **fields})  # type: ignore[arg-type]
 
@@ -50,6 +55,7 @@ def test_a_good_bug_fix_task_with_a_diff_solution_passes_every_check(tmp_path: P
     assert report.passed, report
     assert statuses(report) == dict.fromkeys(CHECKS, "pass")
     assert "verify fails with the shipped tests broken" in detail(report, "not_fooled")
+    assert "none of the" in detail(report, "hacks") and report.warnings == ()
     # the workspaces are kept under work_root: the solved one holds the fix, the untouched one the bug
     assert "a + b" in (tmp_path / "fix-add" / "solved" / "work" / "calc.py").read_text()
     assert "a - b" in (tmp_path / "fix-add" / "untouched" / "work" / "calc.py").read_text()
@@ -133,6 +139,45 @@ def test_an_answer_file_verifier_beside_shipped_tests_is_caught_by_not_fooled() 
     assert statuses(report)["not_fooled"] == "skip" and report.passed
 
 
+def test_a_bare_pytest_verifier_is_named_by_a_hack_and_warned_about() -> None:
+    """pytest's exit code as the reward: the code under test ending the process with 0 at import wins."""
+    report = check_task(bug_task("bare", verify=PYTEST))
+    assert statuses(report)["hacks"] == "fail" and not report.passed
+    assert "hack:exit_at_import" in detail(report, "hacks")
+    assert statuses(report)["solution_passes"] == "pass"  # a working task otherwise
+    assert len(report.warnings) == 1 and "runs pytest itself" in report.warnings[0]
+    assert "openforge.verifiers.pytest" in report.warnings[0]
+
+
+def side_copy(task_id: str, sandbox: str = "bwrap", **fields: object) -> str:
+    """The no_side_copies detail of a quick bug-fix task (grep for the fix) with `fields`."""
+    task = Task(**{**dict(id=task_id, prompt="p", verify="grep -q 'a + b' calc.py", setup=SETUP, solution=FIX,
+                          timeout_s=60), **fields})  # type: ignore[arg-type]
+    report = check_task(task, sandbox=sandbox)
+    assert statuses(report)["no_side_copies"] == "fail", report
+    return detail(report, "no_side_copies")
+
+
+def test_side_copies_of_the_original_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent that finds the original code beside the bug copies it back: a backup, a build output, a stale
+    compiled file, an installed copy of the same module on the interpreter's path."""
+    assert "a backup: calc.py.orig" in side_copy("orig", files={"calc.py.orig": FIXED})
+    named = side_copy("build", setup=SETUP + f" && mkdir -p build/lib && printf '{FIXED}' > build/lib/calc.py")
+    assert "a build output: build/" in named and "build/lib/calc.py holds calc.py as the solution leaves it" in named
+    # the original compiled, then the bug written over its source: the .pyc stands for the fixed code
+    stale = (f"printf '{FIXED}' > calc.py && {PY} -c 'import py_compile; py_compile.compile(\"calc.py\")' "
+             f"&& sleep 1 && {SETUP}")
+    assert "a stale compiled file __pycache__/calc." in side_copy("pyc", setup=stale)
+    # the same module installed where the verifier's Python finds it: a folder on its path that the sandbox
+    # hides (bubblewrap binds the Python prefixes, not the rest of this machine) is found without one
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "calc.py").write_text(FIXED)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(site)))))
+    assert f"an installed copy of calc on {PY}'s path: {site / 'calc.py'}" in side_copy("installed", "none")
+    assert statuses(check_task(bug_task("hidden", verify="grep -q 'a + b' calc.py")))["no_side_copies"] == "pass"
+
+
 def test_a_diff_escaping_the_workspace_is_refused(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -190,7 +235,7 @@ def write_tasks(path: Path, *tasks: dict[str, object]) -> Path:
     return path
 
 
-def test_the_cli_prints_the_table_writes_the_results_and_exits_1_only_with_strict(
+def test_the_cli_prints_the_table_writes_the_results_and_exits_1_when_a_task_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "240")
     good = {"id": "good", "prompt": "p", "verify": "test -f done", "solution": "touch done", "timeout_s": 30}
@@ -198,20 +243,26 @@ def test_the_cli_prints_the_table_writes_the_results_and_exits_1_only_with_stric
     tasks = write_tasks(tmp_path / "tasks.jsonl", good, bad)
     runner = CliRunner()
     result = runner.invoke(app, ["tasks", "check", str(tasks), "--jobs", "2"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output
     for text in ("good", "bad", "noop_fails", "failed checks"):
         assert text in result.stdout
     assert "a no-op agent is rewarded" in result.stdout and "1 of 2 tasks pass every check" in result.stdout
+    assert result.stderr.strip().splitlines()[-1] == "error: 1 of 2 tasks failed a check: bad"
     saved = json.loads((tmp_path / "tasks.check.json").read_text())
     assert (saved["passed"], saved["failed"]) == (1, 1)
     assert [t["task_id"] for t in saved["tasks"]] == ["good", "bad"]
     assert {r["name"]: r["status"] for r in saved["tasks"][1]["results"]}["noop_fails"] == "fail"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks.check.json", "tasks.jsonl"]  # no temp file left
 
-    result = runner.invoke(app, ["tasks", "check", str(tasks), "--strict"])
-    assert result.exit_code == 1 and "error: 1 of 2 tasks failed a check: bad" in result.stderr
     only_good = write_tasks(tmp_path / "good.jsonl", good)
-    assert runner.invoke(app, ["tasks", "check", str(only_good), "--strict", "--no-sandbox"]).exit_code == 0
+    assert runner.invoke(app, ["tasks", "check", str(only_good), "--no-sandbox"]).exit_code == 0
+    # a warning is no failure: a bare pytest verifier that no hack beats (nothing of the agent's is imported)
+    warned = {**good, "id": "warned", "verify": f"test -f done && {PY} -m pytest --version >/dev/null"}
+    result = runner.invoke(app, ["tasks", "check", str(write_tasks(tmp_path / "warned.jsonl", warned))])
+    assert result.exit_code == 0, result.output
+    assert "warned: the verify command runs pytest itself" in " ".join(result.stdout.split())
+    saved = json.loads((tmp_path / "warned.check.json").read_text())
+    assert saved["tasks"][0]["warnings"] and saved["warned"] == 1
 
 
 def test_the_cli_refuses_bad_input_with_one_line(tmp_path: Path) -> None:

@@ -1,15 +1,20 @@
 """`openforge tasks mutate` on a small real project (openforge/testing/mutate_project) and on mpmath's own source and
 tests (installed with torch, through sympy): every task fails its verifier untouched, passes after its
-solution, gives nothing of the original code away, and comes out the same for the same seed."""
+solution, passes `openforge tasks check` (mutate writes no other), gives nothing of the original code away, is
+spread over operators and functions, and comes out the same for the same seed; a mutant that breaks an import
+names the tests the module held."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +22,18 @@ import pytest
 
 from openforge.rollout.episode import parse_reward, verifier_env
 from openforge.rollout.tasks import parse_task
-from openforge.taskforge.mutate import MutateOptions, is_test_file, mutate, unified_diff
+from openforge.taskforge import mutate as mutate_module
+from openforge.taskforge.check import CheckResult, TaskReport
+from openforge.taskforge.mutate import MutateError, MutateOptions, Spread, is_test_file, mutate, unified_diff
 from openforge.taskforge.mutations import sites
 from openforge.taskforge.pytest_run import SuiteRun
+from openforge.taskforge.repo_files import read_repo
 from openforge.taskforge.verify_tests import REWARDS, reward
 from openforge.testing import ROOT
 
 PROJECT = ROOT / "openforge" / "testing" / "mutate_project"
 TEST = f"{sys.executable} -m pytest -q"
+SPREAD = ("--max-operator-share", "0.34", "--max-per-function", "1")  # of 3 tasks: one per operator and function
 # what an agent might leave to fake a green suite: every test reported passed, a config that skips them
 CHEAT = {"conftest.py": "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
                         "def pytest_runtest_makereport(item, call):\n"
@@ -96,10 +105,16 @@ def read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def spec(task: dict[str, Any]) -> dict[str, Any]:
+    """The verifier's spec a mutate task's verify command carries (its last word)."""
+    return dict(json.loads(shlex.split(task["verify"])[-1]))
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("mutate") / "tasks.jsonl"
-    done = cli("--repo", str(PROJECT), "--test", TEST, "--out", str(out), "--n", "3", "--seed", "1", "--jobs", "2")
+    done = cli("--repo", str(PROJECT), "--test", TEST, "--out", str(out), "--n", "3", "--seed", "1", "--jobs", "2",
+               *SPREAD)
     assert done.returncode == 0, done.stderr
     assert "tasks written" in done.stdout
     return out, read(out)
@@ -112,11 +127,86 @@ def test_tasks_fail_untouched_and_pass_after_solution(made: tuple[Path, list[dic
     for task in tasks:
         parse_task(task)  # the task file format, `solution` and `metadata` included
         assert task["metadata"]["source"] == "mutate"
-        assert set(task["metadata"]["mutation"]) == {"operator", "file", "line"}
+        assert set(task["metadata"]["mutation"]) == {"operator", "file", "function", "line"}
         check_fail_then_pass(task, tmp_path)
     check_agrees(tasks, tmp_path / "check", monkeypatch)
     rejected = read(out.with_name(out.name + ".rejected.jsonl"))
     assert all(r["reason"] for r in rejected)
+
+
+def test_tasks_are_spread_over_operators_and_functions(made: tuple[Path, list[dict[str, Any]]]) -> None:
+    mutations = [task["metadata"]["mutation"] for task in made[1]]
+    assert max(Counter(m["operator"] for m in mutations).values()) == 1
+    assert max(Counter((m["file"], m["function"]) for m in mutations).values()) == 1
+
+
+def test_spread_limits_are_shares_of_n_and_bind_while_others_are_left() -> None:
+    """By default no operator makes more than half of --n tasks, no function more than two."""
+    spread = Spread(MutateOptions(test=TEST, n=12, max_per_function=12))
+    off_by_one = [m for m in sites("f.py", SAMPLE) if m.operator == "off_by_one"]
+    for _ in range(6):
+        assert not spread.full(off_by_one[0])
+        spread.add(off_by_one[0])
+    assert spread.full(off_by_one[0])  # 6 of 12: half
+    spread = Spread(MutateOptions(test=TEST, n=12))
+    one = [m for m in sites("f.py", SAMPLE) if m.function == "f"]
+    spread.add(one[0])
+    spread.add(one[1])
+    assert spread.full(one[2])
+    spread.relax()  # every candidate within the limits was tried: the rest are taken as they come
+    assert not spread.full(one[2])
+    with pytest.raises(MutateError, match="--max-operator-share must be in"):
+        Spread(MutateOptions(test=TEST, max_operator_share=0))
+
+
+def test_a_mutant_that_breaks_an_import_names_the_tests_its_module_held(tmp_path: Path) -> None:
+    """`"=" * width` -> `"=" / width` in a function the module calls at import: pytest names the module that no
+    longer collects, not its tests; the task names those tests (from the unmutated run) and passes its checks."""
+    options = MutateOptions(test=TEST, n=3, seed=0, jobs=2, include=("src/shop/receipt.py::rule",))
+    result = mutate(PROJECT, options)
+    # the only function offered: the per-function limit gives way rather than leave tasks unmade
+    assert len(result.tasks) == 3
+    [task] = [t for t in result.tasks if t["metadata"]["mutation"]["operator"] == "binop_swap"]
+    held = [f"tests/check_receipt.py::{name}" for name in ("test_default_rule", "test_first_words", "test_money",
+                                                            "test_receipt_rows")]
+    assert spec(task)["broken"] == held
+    assert all(test in task["prompt"] for test in held) and "TypeError" in task["prompt"]
+    check_fail_then_pass(task, tmp_path)
+
+
+def test_a_task_failing_a_check_is_rejected_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    failed: list[str] = []
+
+    def check_task(task: Any, **_: Any) -> TaskReport:
+        if failed:
+            return TaskReport(task.id, (CheckResult("builds", "pass", ""),))
+        failed.append(task.id)
+        return TaskReport(task.id, (CheckResult("solution_passes", "fail", "the solved workspace scores 0"),))
+
+    monkeypatch.setattr(mutate_module, "check_task", check_task)
+    result = mutate(PROJECT, MutateOptions(test=TEST, n=2, seed=3, jobs=2))
+    assert len(result.tasks) == 2 and failed[0] not in {t["id"] for t in result.tasks}
+    assert result.reasons["check_solution_passes"] == 1
+    [rejected] = [r for r in result.rejected if r.reason.startswith("check_")]
+    assert "the solved workspace scores 0" in rejected.reason
+
+
+def test_side_copies_of_the_original_stay_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backups and build outputs are left out of the workspace; an installed copy of the package, which the
+    sandbox's Python would find, stops the run before any mutation (here a folder on PYTHONPATH, which only an
+    unconfined verifier sees: bubblewrap binds the Python prefixes, not the rest of this machine)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(PROJECT, repo, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    (repo / "src" / "shop" / "cart.py.orig").write_text((PROJECT / "src" / "shop" / "cart.py").read_text())
+    (repo / "build" / "lib" / "shop").mkdir(parents=True)
+    shutil.copy(PROJECT / "src" / "shop" / "cart.py", repo / "build" / "lib" / "shop" / "cart.py")
+    snapshot = read_repo(repo)
+    assert not [f for f in snapshot.files if f.endswith(".orig") or f.startswith("build/")]
+    assert snapshot.skipped["backup file"] == 1 and snapshot.skipped["folder build"] == 1
+    monkeypatch.setenv("PYTHONPATH", str(repo / "build" / "lib"))
+    with pytest.raises(MutateError, match=rf"an installed copy of shop on {sys.executable}'s path: "
+                                          rf"{repo / 'build' / 'lib' / 'shop'}"):
+        mutate(repo, MutateOptions(test=TEST, n=1, sandbox="none"))
 
 
 def test_workspace_gives_nothing_away(made: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -142,7 +232,8 @@ def test_workspace_gives_nothing_away(made: tuple[Path, list[dict[str, Any]]]) -
 
 def test_same_seed_same_file(made: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     out = tmp_path / "again.jsonl"
-    done = cli("--repo", str(PROJECT), "--test", TEST, "--out", str(out), "--n", "3", "--seed", "1", "--jobs", "1")
+    done = cli("--repo", str(PROJECT), "--test", TEST, "--out", str(out), "--n", "3", "--seed", "1", "--jobs", "1",
+               *SPREAD)
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == made[0].read_bytes()
 
@@ -167,19 +258,32 @@ def test_hanging_test_command_is_one_error_line(tmp_path: Path) -> None:
                                         "repository (--timeout-s): sleep 600"]
 
 
+def renamed_copy(package: Path, into: Path, name: str) -> Path:
+    """`package`'s sources under another top-level name, every import renamed: not the package installed."""
+    shutil.copytree(package, into / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (into / name).rglob("*.py"):
+        path.write_text(re.sub(rf"\b{package.name}\b", name, path.read_text()))
+    return into
+
+
 def test_mpmath_own_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PyPI package's source and its own test module: mpmath (a dependency of sympy, so of torch)."""
+    """A PyPI package's source and its own test module: mpmath (a dependency of sympy, so of torch). Its copy is
+    refused while mpmath itself is installed (an agent could read the original there), so it runs renamed."""
     import mpmath
 
-    repo = tmp_path / "repo"
-    shutil.copytree(Path(mpmath.__file__).parent, repo / "mpmath", ignore=shutil.ignore_patterns("__pycache__"))
-    options = MutateOptions(test=f"{TEST} mpmath/tests/test_bitwise.py", n=2, seed=4, jobs=2,
-                            include=("mpmath/libmp/libintmath.py::python_*",))
+    installed = Path(mpmath.__file__).parent
+    plain = tmp_path / "plain"
+    shutil.copytree(installed, plain / "mpmath", ignore=shutil.ignore_patterns("__pycache__"))
+    with pytest.raises(MutateError, match=f"an installed copy of mpmath on .*'s path: {installed}"):
+        mutate(plain, MutateOptions(test=f"{TEST} mpmath/tests/test_bitwise.py"))
+    repo = renamed_copy(installed, tmp_path / "repo", "mpmathcopy")
+    options = MutateOptions(test=f"{TEST} mpmathcopy/tests/test_bitwise.py", n=2, seed=4, jobs=2,
+                            include=("mpmathcopy/libmp/libintmath.py::python_*",))
     result = mutate(repo, options)
     assert len(result.tasks) == 2
     for task in result.tasks:
-        assert task["metadata"]["mutation"]["file"] == "mpmath/libmp/libintmath.py"
-        assert "mpmath/tests/test_bitwise.py::" in task["prompt"]
+        assert task["metadata"]["mutation"]["file"] == "mpmathcopy/libmp/libintmath.py"
+        assert "mpmathcopy/tests/test_bitwise.py::" in task["prompt"]
         check_fail_then_pass(task, tmp_path)
     check_agrees(result.tasks, tmp_path / "check", monkeypatch)
 

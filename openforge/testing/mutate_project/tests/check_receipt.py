@@ -1,5 +1,5 @@
 from shop.cart import Cart
-from shop.receipt import first_words, money, receipt
+from shop.receipt import RULE, first_words, money, receipt
 
 
 def test_money():
@@ -17,3 +17,8 @@ def test_receipt_rows():
     cart.add("tea", 250, 2)
     rows = receipt(cart, width=16)
     assert rows == ["2 x tea     5.00", "=" * 16]
+
+
+def test_default_rule():
+    assert RULE == "=" * 24
+    assert receipt(Cart())[-1] == RULE

@@ -16,12 +16,21 @@ def first_words(text: str, n: int) -> str:
     return " ".join(words[:n])
 
 
-def receipt(cart: Cart, width: int = 24) -> list[str]:
+def rule(width: int) -> str:
+    """The line under a receipt's items."""
+    return "=" * width
+
+
+WIDTH = 24
+RULE = rule(WIDTH)  # the default receipt's, made when the module is imported
+
+
+def receipt(cart: Cart, width: int = WIDTH) -> list[str]:
     rows = []
     for line in cart.lines:
         label = f"{line.quantity} x {line.sku}"
         amount = money(line.total())
         gap = width - len(label) - len(amount)
         rows.append(label + " " * max(gap, 1) + amount)
-    rows.append("=" * width)
+    rows.append(rule(width))
     return rows
