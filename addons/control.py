@@ -26,11 +26,11 @@ from openforge.protocols.reward_keys import episode_reward_key
 
 from . import access, flowfile, options, wire
 from .bodies import json_object
-from .engine import Engine
 from .errors import Refused
 from .pause import Pause
 from .recorder import Recorder
 from .rewarded import RewardedEpisodes
+from .upstream import UpstreamProbe
 
 logger = logging.getLogger("openforge")
 # Reward posts: values past these are a verifier's bug or an attack, never a training signal.
@@ -59,7 +59,7 @@ class Control:
     `policy_version`: the version the routing addon stamps on each exchange as it goes to the engine;
     `pause`: what new LLM calls wait on."""
 
-    def __init__(self, recorder: Recorder, engine: Engine) -> None:
+    def __init__(self, recorder: Recorder, engine: UpstreamProbe) -> None:
         self._recorder = recorder
         self._engine = engine
         self.rewarded = RewardedEpisodes()  # episodes with a reward in the flow directory

@@ -16,7 +16,7 @@ import hmac
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, TypedDict, cast
@@ -465,7 +465,7 @@ def header_id(header: FileHeader) -> str:
     return hashlib.sha256(pack(header)).hexdigest()[:32]
 
 
-def expand_paths(paths: list[str | os.PathLike[str]]) -> list[Path]:
+def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """Files as given, directories expanded to their flow files (sorted, so ingestion order is stable)."""
     out: list[Path] = []
     for p in map(Path, paths):

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from openforge.choices import Profile, RewardPolicy, Translate
+from openforge.settings import parse_bool
+
 from . import access, flowfile
 
-PROFILES = ("auto", "vllm", "sglang", "llamacpp", "generic")
-REWARD_POLICIES = ("last", "first")
-TRANSLATE = ("never", "auto", "always")
 MAX_POLICY_VERSION = 1 << 63  # versions are int64 in records and in DuckDB
 MAX_PAUSE_TIMEOUT = 86400.0  # a held call waits at most a day: past that the client is long gone
 DEFAULT_VENDOR_HOSTS = (
@@ -32,8 +32,6 @@ DEFAULT_VENDOR_HOSTS = (
     "dashscope-intl.aliyuncs.com",
     "openrouter.ai",
 )
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 
 
 @dataclass(frozen=True)
@@ -250,11 +248,11 @@ def parse(values: dict[str, str]) -> Settings:
     upstream = parse_upstream("openforge_upstream_url", url)
 
     profile = get("openforge_engine_profile").lower()
-    if profile not in PROFILES:
-        raise BadOption(f"openforge_engine_profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    if profile not in tuple(Profile):
+        raise BadOption(f"openforge_engine_profile must be one of {', '.join(Profile)}, got {profile!r}")
     translate = get("openforge_translate").lower()
-    if translate not in TRANSLATE:
-        raise BadOption(f"openforge_translate must be one of {', '.join(TRANSLATE)}, got {translate!r}")
+    if translate not in tuple(Translate):
+        raise BadOption(f"openforge_translate must be one of {', '.join(Translate)}, got {translate!r}")
     role = get("openforge_default_role")
     if not role:
         raise BadOption("openforge_default_role must not be empty")
@@ -265,8 +263,8 @@ def parse(values: dict[str, str]) -> Settings:
         raise BadOption("a token is both a client and a reward token: the agent would be able to post its own "
                         "rewards; give the verifier a token of its own")
     policy = get("openforge_reward_policy").lower()
-    if policy not in REWARD_POLICIES:
-        raise BadOption(f"openforge_reward_policy must be one of {', '.join(REWARD_POLICIES)}, got {policy!r}")
+    if policy not in tuple(RewardPolicy):
+        raise BadOption(f"openforge_reward_policy must be one of {', '.join(RewardPolicy)}, got {policy!r}")
     allow = tuple(p.strip() for p in get("openforge_allow_paths").split(",") if p.strip())
     if any(not p.startswith("/") for p in allow):
         raise BadOption(f"openforge_allow_paths entries must be paths starting with /, got {','.join(allow)!r}")
@@ -465,11 +463,10 @@ def describe_routes(routes: dict[str, Route]) -> str:
 
 
 def _bool(name: str, value: str) -> bool:
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise BadOption(f"{name} must be true or false, got {value!r}")
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise BadOption(f"{name} must be true or false, got {value!r}") from None
 
 
 def _number(name: str, value: str, minimum: float) -> float:

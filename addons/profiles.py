@@ -21,6 +21,7 @@ import math
 import urllib.request
 from typing import Any
 
+from openforge.choices import Profile
 from openforge.protocols.engine_ids import cut_prompt_ids, has_token_ids
 from openforge.protocols.sse import split_complete
 
@@ -37,7 +38,7 @@ def detect(models_url: str, key: str, timeout: float = 3.0) -> str | None:
     except (OSError, ValueError):
         return None
     owners = {str(m.get("owned_by", "")).lower() for m in data.get("data") or [] if isinstance(m, dict)}
-    for name in ("vllm", "sglang", "llamacpp"):
+    for name in (Profile.vllm, Profile.sglang, Profile.llamacpp):
         if name in owners:
             return name
     if "llama.cpp" in server or "llamacpp" in owners or "llama.cpp" in owners:
@@ -50,20 +51,20 @@ def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
     fields injected."""
     injected: list[str] = []
     if protocol == "responses":
-        if profile == "vllm" and not body.get("enable_response_messages"):
+        if profile == Profile.vllm and not body.get("enable_response_messages"):
             body["enable_response_messages"] = True
             injected.append("enable_response_messages")
         return injected
     if protocol not in ("chat", "completions"):
         return injected
-    if profile in ("vllm", "sglang") and not body.get("return_token_ids"):
+    if profile in (Profile.vllm, Profile.sglang) and not body.get("return_token_ids"):
         body["return_token_ids"] = True
         injected.append("return_token_ids")
     if protocol == "chat":
         if not body.get("logprobs"):
             body["logprobs"] = True
             injected.append("logprobs")
-            if profile == "llamacpp" and body.get("top_logprobs") is None:
+            if profile == Profile.llamacpp and body.get("top_logprobs") is None:
                 body["top_logprobs"] = 1  # llama.cpp's default is 20 alternatives per token; 0 gives no logprobs
                 injected.append("top_logprobs")
     elif body.get("logprobs") is None:
@@ -74,7 +75,7 @@ def inject(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
 
 def normalize(profile: str, protocol: str, body: dict[str, Any]) -> list[str]:
     """For llama.cpp, rewrite a Chat body in place as the engine renders it; return the fields rewritten."""
-    if profile != "llamacpp" or protocol != "chat":
+    if profile != Profile.llamacpp or protocol != "chat":
         return []
     changed: list[str] = []
     tools = body.get("tools")
@@ -168,7 +169,7 @@ def _llamacpp_tool(tool: Any) -> Any:
 def unstream(profile: str, protocol: str, body: dict[str, Any]) -> bool:
     """Make a streamed llama.cpp Chat body with tools unstreamed, in place (the module's docstring says why);
     whether it did. The client still gets a stream (`addons/restream.py`)."""
-    if profile != "llamacpp" or protocol != "chat" or body.get("stream") is not True or not body.get("tools"):
+    if profile != Profile.llamacpp or protocol != "chat" or body.get("stream") is not True or not body.get("tools"):
         return False
     body["stream"] = False
     body.pop("stream_options", None)

@@ -16,6 +16,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from openforge.choices import Profile
+
 from . import options
 
 TIMEOUT_S = 30.0  # both requests together; a template and a tokenization take milliseconds
@@ -28,7 +30,7 @@ class PromptIdsError(Exception):
 
 def wanted(s: options.Settings, profile: str, protocol: str) -> bool:
     """Whether to ask the engine for a call's prompt ids: a Chat call to llama.cpp, unless turned off."""
-    return s.engine_prompt_ids and profile == "llamacpp" and protocol == "chat"
+    return s.engine_prompt_ids and profile == Profile.llamacpp and protocol == "chat"
 
 
 def start(s: options.Settings, body: bytes) -> asyncio.Future[list[int]]:

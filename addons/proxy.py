@@ -46,10 +46,10 @@ from . import (
 )
 from .calllog import CallLog
 from .control import Control
-from .engine import Engine, check_role_upstreams
 from .errors import Refused
 from .exchange import Exchange, RequestParts, ResponseParts
 from .recorder import META, Recorder, response_parts
+from .upstream import UpstreamProbe, check_role_upstreams
 
 logger = logging.getLogger("openforge")
 _KEY_HEADERS = (b"authorization", b"x-api-key")  # where our upstream key sits once the request went upstream
@@ -62,8 +62,8 @@ class OpenForge:
     def __init__(self) -> None:
         self.settings: options.Settings | None = None
         self.recorder = Recorder()
-        self.engine = Engine()
-        self.role_engines: dict[str, Engine] = {}  # upstream URL -> what is known of a role's own upstream
+        self.engine = UpstreamProbe()
+        self.role_engines: dict[str, UpstreamProbe] = {}  # upstream URL -> what is known of a role's own upstream
         self.control = Control(self.recorder, self.engine)
         self.calllog = CallLog()
         self._error_pages = errors.ErrorPages()
@@ -107,7 +107,7 @@ class OpenForge:
         self.recorder.configure(new)
         self.engine.configure(new)
         urls = {up.url for up in new.role_upstreams().values()}
-        self.role_engines = {url: self.role_engines.get(url) or Engine() for url in urls}
+        self.role_engines = {url: self.role_engines.get(url) or UpstreamProbe() for url in urls}
         for role in new.role_upstreams():
             self.role_engines[new.for_role(role).upstream_url].configure(new.for_role(role))
         self.settings = new
@@ -372,7 +372,7 @@ class OpenForge:
         self._to_upstream(flow, rs, routes.upstream_path(rs, canonical, query), llm=True)
         return ex
 
-    def _engine_for(self, s: options.Settings, role: str | None) -> Engine:
+    def _engine_for(self, s: options.Settings, role: str | None) -> UpstreamProbe:
         """What is known of the upstream a role's calls go to (the proxy's own unless its route names one)."""
         if role is None:
             return self.engine

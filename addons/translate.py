@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from openforge.choices import Translate
 from openforge.protocols import anthropic, errors, responses
 from openforge.protocols.chat import ChatStream, Drops
 from openforge.protocols.errors import ProtocolError as TranslationError
 
 CLIENT_PROTOCOLS = ("anthropic", "responses")
-TRANSLATE_MODES = ("never", "auto", "always")
 _MODULES: dict[str, ModuleType] = {"anthropic": anthropic, "responses": responses}
 
 
@@ -31,8 +31,8 @@ def needs_translation(protocol: str, engine_profile: str, mode: str) -> bool:
     today is every profile (docs/engines.md: vLLM's Responses gives ids but no logprobs for a streamed or
     tool-calling answer), so it translates every Messages and Responses call, as `always` does.
     """
-    if mode not in TRANSLATE_MODES:
-        raise ValueError(f"translate mode must be one of {', '.join(TRANSLATE_MODES)}, got {mode!r}")
+    if mode not in tuple(Translate):
+        raise ValueError(f"translate mode must be one of {', '.join(Translate)}, got {mode!r}")
     return protocol in CLIENT_PROTOCOLS and mode != "never"
 
 

@@ -33,11 +33,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from openforge.engines.vllm import VllmEngine  # noqa: E402
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS  # noqa: E402
 from openforge.models import hf_dir  # noqa: E402
 from openforge.processes import Child, free_port, mitmdump_command  # noqa: E402
 from openforge.protocols.control import STATUS_PATH  # noqa: E402
-from openforge.vllm_engine import VllmEngine  # noqa: E402
 
 MAX_TOKENS = 16
 

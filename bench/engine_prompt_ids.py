@@ -23,7 +23,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from openforge.engine import EmbeddedEngine  # noqa: E402
+from openforge.engines.llamacpp import EmbeddedEngine  # noqa: E402
 from openforge.examples.tool_agent import TOOLS  # noqa: E402
 from openforge.testing.proxy import Proxy  # noqa: E402
 

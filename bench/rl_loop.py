@@ -44,7 +44,7 @@ TIMED = {
     ("openforge.trainer.checkpoint", "restore"): "state restore",
     ("openforge.trainer.checkpoint", "save"): "checkpoint save",
     ("openforge.trainer.checkpoint", "full_weights"): "weights gather",
-    ("openforge.gguf_export", "export_gguf"): "GGUF export",
+    ("openforge.engines.gguf", "export_gguf"): "GGUF export",
     ("openforge.rl.loop", "check_checkpoint"): "checkpoint check",  # the loop before the resident trainer
 }
 OVERHEAD = ("model load", "optimizer state load", "state restore", "checkpoint save")

@@ -13,9 +13,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from openforge.choices import ExportFormat
 from openforge.samples import SchemaError, Selection, connect, first_line
 
-FORMATS = ("parquet", "verl", "slime", "trl")
 BATCH_ROWS = 256  # rows per Arrow record batch fetched from DuckDB
 SLIME_FILE_ROWS = 256  # samples per slime rollout file (whole groups: a file may hold more)
 
@@ -161,7 +161,7 @@ def open_selection(db: Path, where: str, fmt: str) -> tuple[duckdb.DuckDBPyConne
         raise ExportError(str(e)) from None
     selection = Selection(where)
     try:
-        sql = selection_sql(selection, images=fmt == "parquet")
+        sql = selection_sql(selection, images=fmt == ExportFormat.parquet)
         n, with_images = con.execute(f"SELECT count(*), count(*) FILTER (n_images > 0) FROM ({sql})").fetchall()[0]
     except duckdb.Error as e:
         con.close()
@@ -169,7 +169,7 @@ def open_selection(db: Path, where: str, fmt: str) -> tuple[duckdb.DuckDBPyConne
     if n == 0:
         con.close()
         raise ExportError(f"no samples selected ({selection.sql()})")
-    if with_images and fmt != "parquet":  # their image pads without the pixels would train on nothing
+    if with_images and fmt != ExportFormat.parquet:  # their image pads without the pixels would train on nothing
         con.close()
         raise ExportError(f"{with_images} of the {n} selected samples have images, which the {fmt} format does "
                           "not carry: export them with --format parquet (images included), or leave them out "
@@ -233,12 +233,13 @@ def check_out(db: Path, fmt: str, out: Path, force: bool) -> None:
         raise ExportError(f"--out {out} is the database {db}: write the export to another path")
     if out_real == db_real.with_name(db_real.name + ".wal"):
         raise ExportError(f"--out {out} is the database's write-ahead log: write the export to another path")
-    if fmt == "slime" and db_real.is_relative_to(out_real):
+    if fmt == ExportFormat.slime and db_real.is_relative_to(out_real):
         raise ExportError(f"--out {out} holds the database {db}, and slime writes {{k}}.pt files there: "
                           "write the export to another directory")
-    existing = slime_files(out) if fmt == "slime" else [out] if out.exists() or out.is_symlink() else []
+    existing = slime_files(out) if fmt == ExportFormat.slime else [out] if out.exists() or out.is_symlink() else []
     if existing and not force:
-        what = f"{out} holds a slime export ({len(existing)} {{k}}.pt files)" if fmt == "slime" else f"{out} exists"
+        slime = fmt == ExportFormat.slime
+        what = f"{out} holds a slime export ({len(existing)} {{k}}.pt files)" if slime else f"{out} exists"
         raise ExportError(f"{what}: pass --force to overwrite it, or choose another --out")
 
 
@@ -247,18 +248,18 @@ def export(db: Path, fmt: str, out: Path, where: str = "", progress: Progress = 
     """Write the selected samples (n_trainable > 0 and `where`) to `out` in `fmt`; returns the sample count.
     `force`: overwrite an existing output (slime: its `{k}.pt` files are removed first, so none of a former,
     larger export is read with this one); the database itself is never overwritten."""
-    if fmt not in FORMATS:
-        raise ExportError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if fmt not in tuple(ExportFormat):
+        raise ExportError(f"format must be one of {', '.join(ExportFormat)}, not {fmt!r}")
     check_out(db, fmt, out, force)
     con, sql, n = open_selection(db, where, fmt)
     try:
-        target = out if fmt == "slime" else out.parent
+        target = out if fmt == ExportFormat.slime else out.parent
         try:
             target.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ExportError(f"cannot write {out}: {e}") from None
         try:
-            if fmt == "slime":
+            if fmt == ExportFormat.slime:
                 for stale in slime_files(out):
                     stale.unlink()
                 write_slime(rows(con, sql), out, progress, n)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
+from openforge.choices import TrackerName
+
 AXES = {"train": "step", "rl": "iteration", "eval": "policy_version", "canary": "policy_version"}  # x axes
 INSTALL = "pip install 'openforge[tracking]' (make setup installs it)"
 
@@ -132,20 +133,20 @@ class Trackers:
     """The trackers a run asked for, fed together; none is a no-op. A tracker that fails while logging is
     named once and dropped: a tracker never stops a run."""
 
-    def __init__(self, names: list[str], directory: Path, project: str, name: str,
+    def __init__(self, names: Sequence[str], directory: Path, project: str, name: str,
                  config: Mapping[str, Any], warn: Any = print) -> None:
         self.warn = warn
         self.trackers: dict[str, Tracker] = {}
         try:
             for tracker in names:
-                if tracker == "tensorboard":
+                if tracker == TrackerName.tensorboard:
                     self.trackers[tracker] = TensorBoard(directory / "tensorboard")
-                elif tracker == "wandb":
+                elif tracker == TrackerName.wandb:
                     self.trackers[tracker] = WandB(directory / "wandb", project, name, config)
-                elif tracker == "mlflow":
+                elif tracker == TrackerName.mlflow:
                     self.trackers[tracker] = MLflow(directory / "mlruns", project, name, config)
                 else:
-                    raise TrackerError(f"unknown tracker {tracker!r}: one of {', '.join(TRACKERS)}")
+                    raise TrackerError(f"unknown tracker {tracker!r}: one of {', '.join(TrackerName)}")
         except BaseException:
             self.close()
             raise

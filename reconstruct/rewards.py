@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from openforge.addons.flowfile import MAX_ABS_REWARD
+from openforge.choices import Advantage, GroupBy
 
-ADVANTAGES = ("grpo", "grpo-no-std", "rloo")
-GROUPINGS = ("task", "task-toolchain")
 GRPO_EPS = 1e-4  # as in common GRPO implementations: (r - mean) / (std + eps)
 
 
@@ -114,8 +113,8 @@ def group_ids_sql(group_by: str | None = None) -> str:
     plus `/<toolchain>` under `task-toolchain`, then `@v<policy version>` (the lowest of the episode's calls,
     `?` when none was recorded): attempts of one task by two policies of an RL run are never compared.
     `group_by` None: the database's `meta.group_by` (a migration)."""
-    if group_by is not None and group_by not in GROUPINGS:
-        raise ValueError(f"group_by must be one of {', '.join(GROUPINGS)}, not {group_by!r}")
+    if group_by is not None and group_by not in tuple(GroupBy):
+        raise ValueError(f"group_by must be one of {', '.join(GroupBy)}, not {group_by!r}")
     by = "(SELECT value FROM meta WHERE key = 'group_by')" if group_by is None else f"'{group_by}'"
     group = ("coalesce('task:' || e.task_id, 'run:' || coalesce(e.run_id, ''))"
              f" || CASE WHEN {by} = 'task-toolchain' THEN '/' || coalesce(e.toolchain, '') ELSE '' END"
@@ -131,8 +130,8 @@ def group_ids_sql(group_by: str | None = None) -> str:
 
 def advantage_sql(mode: str, group_by: str = "task") -> str:
     """Every episode's group id (`group_ids_sql`), then every rewarded episode's advantage within its group."""
-    if mode not in ADVANTAGES:
-        raise ValueError(f"advantage must be one of {', '.join(ADVANTAGES)}, not {mode!r}")
+    if mode not in tuple(Advantage):
+        raise ValueError(f"advantage must be one of {', '.join(Advantage)}, not {mode!r}")
     formula = {
         "grpo": f"CASE WHEN n > 1 THEN (reward - mean) / (coalesce(std, 0) + {GRPO_EPS}) ELSE 0 END",
         "grpo-no-std": "reward - mean",

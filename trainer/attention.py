@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from openforge.trainer.config import ConfigError
+from openforge.settings import ConfigError
 from openforge.trainer.packing import Row
 from openforge.trainer.tree import subtree_ends
 

@@ -17,6 +17,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from openforge.choices import GroupFilter, Objective
 from openforge.samples import SchemaError, Selection, connect, first_line, list_arrays
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def dynamic_groups(base: str, seed: int) -> str:
 def training_filter(cfg: TrainConfig) -> tuple[bool, str]:
     """What the trainer under `cfg` drops of a selection: (drop_zero_advantage, group_filter); both only for
     the ppo objective."""
-    ppo = cfg.objective == "ppo"
+    ppo = cfg.objective == Objective.ppo
     return ppo and not cfg.keep_zero_advantage, cfg.group_filter if ppo else "none"
 
 
@@ -143,7 +144,7 @@ class SampleSource:
         self.filter = trainable_sql(selection, drop_zero_advantage, group_filter, seed)
         left_out = [(drop_zero_advantage, "samples whose advantage is 0 (every group with equal rewards; "
                                           "keep_zero_advantage = true keeps them)"),
-                    (group_filter != "none", f"the groups group_filter = {group_filter} drops")]
+                    (group_filter != GroupFilter.none, f"the groups group_filter = {group_filter} drops")]
         self.left_out = [why for on, why in left_out if on]
         self.shuffle, self.seed, self.tree = shuffle, seed, tree
         try:  # binds the filter (columns, types) without reading a row

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from openforge.choices import Device
 from openforge.trainer.config import TrainConfig
 
 
@@ -37,7 +38,7 @@ def compute_init(cfg: TrainConfig) -> Compute:
     several ranks joined (NCCL on CUDA, gloo on CPU)."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    cuda = cfg.device == Device.cuda or (cfg.device == Device.auto and torch.cuda.is_available())
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -51,9 +52,9 @@ def resolve_precision(cfg: TrainConfig, device: torch.device) -> tuple[str, str]
     """The precision a run trains in (`cfg.precision`, auto resolved for the device), and why: the one place
     that decides it. On a CPU, auto is exact fp32 unless `cfg.cpu_bf16` asks for bf16 matmuls where the CPU
     has them natively (`cpu_has_bf16`)."""
-    if cfg.precision != "auto":
+    if cfg.precision != Device.auto:
         return cfg.precision, "set in the config"
-    if device.type == "cuda":
+    if device.type == Device.cuda:
         return "bf16-autocast", "auto on CUDA: fp32 weights, bf16 matmuls under autocast"
     if cfg.cpu_bf16 and cpu_has_bf16():
         return "bf16-autocast", "auto on a CPU with native bf16 matmuls (AVX512-BF16 or AMX), cpu_bf16 = true"
@@ -70,7 +71,7 @@ def cpu_has_bf16() -> bool:
 
 
 def _backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if device.type == Device.cuda else "gloo"
 
 
 def init_one_rank_group(device: torch.device) -> bool:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from openforge.samples import Selection as SampleSelection
+from openforge.samples import Selection
 from openforge.trainer import checkpoint
 from openforge.trainer.allocator import return_freed_memory
 from openforge.trainer.attention import choose_attention, to_device
@@ -123,16 +123,16 @@ def silence_loading_bars() -> None:
 
 
 @dataclass
-class Selection:
-    """The samples one `Trainer.fit` reads, checked before any step: `SampleSource` over `where`, its sample
-    count, and whether any sample carries an image."""
+class TrainPlan:
+    """What one `Trainer.fit` trains on, checked before any step: `SampleSource` over `where` (SQL or a
+    `samples.Selection`), its sample count, and whether any sample carries an image."""
 
     source: SampleSource
     samples: int
     images: bool
 
     @classmethod
-    def open(cls, cfg: TrainConfig, where: str | SampleSelection, model_dir: str) -> Selection:
+    def open(cls, cfg: TrainConfig, where: str | Selection, model_dir: str) -> TrainPlan:
         """Refuse, naming samples, a selection the run could not train on to its end (`SampleSource.check`)."""
         ppo = cfg.objective == "ppo"
         drop_zero_advantage, group_filter = training_filter(cfg)
@@ -163,7 +163,7 @@ class Trainer:
     full checkpoint when the loop asks). `openforge train` is one `fit` and one `save` (`train`).
 
     `resume`: start from the newest checkpoint under `cfg.out` (weights, optimizer, schedule, step, position,
-    RNG), or from `cfg.model` when there is none. `where`: open and check that selection (`selection`) before
+    RNG), or from `cfg.model` when there is none. `where`: open and check that selection (`first_plan`) before
     the model loads, so a refusal costs no load."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = print,
@@ -182,7 +182,7 @@ class Trainer:
         self.resumed_from: Path | None = found[0] if found else None  # a mid-pass one keeps proximal logprobs
         state = found[1] if found else None
         self.model_dir = str(self.resumed_from or cfg.model)
-        self.selection = self.select(where) if where is not None else None
+        self.first_plan = self.plan(where) if where is not None else None
         attention, why = choose_attention(cfg.attention, self.device, cfg.tree, vl_config(self.model_dir) is not None)
         self.say(f"attention: {attention} ({why})")
         self.model = load_model(self.model_dir, self.device, cfg.grad_checkpointing, attention)
@@ -209,26 +209,26 @@ class Trainer:
             Path(cfg.out).mkdir(parents=True, exist_ok=True)
             keep_metrics_until(self.metrics_path, self.step)
 
-    def select(self, where: str | SampleSelection) -> Selection:
-        return Selection.open(self.cfg, where, self.model_dir)
+    def plan(self, where: str | Selection) -> TrainPlan:
+        return TrainPlan.open(self.cfg, where, self.model_dir)
 
-    def fit(self, selection: Selection, end: int, restart: bool = True,
+    def fit(self, plan: TrainPlan, end: int, restart: bool = True,
             on_step: Callable[[dict[str, float]], None] | None = None) -> None:
-        """Optimizer steps on `selection` until step `end` (numbered across every pass, as metrics.jsonl and
-        the checkpoints number them). `restart`: read the selection from its beginning, a new pass; otherwise
+        """Optimizer steps on `plan` until step `end` (numbered across every pass, as metrics.jsonl and
+        the checkpoints number them). `restart`: read the plan's samples from their beginning, a new pass; otherwise
         go on from the restored position (a pass a checkpoint interrupted). `on_step` gets each step's
         metrics.jsonl record (rank 0): the RL loop's experiment trackers. `stop` (an Event another thread
         sets) ends the pass early, between two steps, with `step` < `end`."""
-        cfg, source, step = self.cfg, selection.source, self.step
+        cfg, source, step = self.cfg, plan.source, self.step
         ppo = cfg.objective == "ppo"
         if restart:
             self.position, self.proximal = Position(), None
         self.end = end
         if self.master:
-            self.say(f"{selection.samples} samples: {steps_phrase(step, end)}, each of <= {cfg.step_tokens} tokens; "
+            self.say(f"{plan.samples} samples: {steps_phrase(step, end)}, each of <= {cfg.step_tokens} tokens; "
                      f"{self.world_size} rank(s) on {self.device.type}, objective {cfg.objective}")
         rank, world_size, rope = self.rank, self.world_size, self.rope
-        idle = idle_sample(self.model.config) if selection.images and world_size > 1 else None  # vision everywhere
+        idle = idle_sample(self.model.config) if plan.images and world_size > 1 else None  # vision everywhere
         from_start, trained = self.position == Position(), set[str]()  # which samples a fixed step count reached
         epochs = cfg.epochs if not cfg.steps else 1 << 30  # with a step count, passes repeat until it is reached
         if ppo and cfg.old_policy == "recompute" and step < end and self.proximal is None:
@@ -262,8 +262,8 @@ class Trainer:
                         on_step(record)
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < end:
                     self.save()
-        if from_start and cfg.steps and len(trained) < selection.samples:
-            self.say(f"{selection.samples - len(trained)} of {selection.samples} samples were not trained: "
+        if from_start and cfg.steps and len(trained) < plan.samples:
+            self.say(f"{plan.samples - len(trained)} of {plan.samples} samples were not trained: "
                      f"{cfg.steps} steps of <= {cfg.step_tokens} tokens end before one pass does "
                      "(steps = 0 trains one pass)")
         if self.step >= end:
@@ -358,11 +358,11 @@ def train(cfg: TrainConfig, resume: bool = False, say: Callable[[str], None] = p
     carries over."""
     trainer = Trainer(cfg, resume, say, where=cfg.where)
     try:
-        selection = trainer.selection
-        assert selection is not None
-        steps = selection.steps(cfg)
+        plan = trainer.first_plan
+        assert plan is not None
+        steps = plan.steps(cfg)
         restart = new_selection or trainer.resumed_from is None
-        trainer.fit(selection, trainer.step + steps if new_selection else steps, restart=restart, on_step=on_step)
+        trainer.fit(plan, trainer.step + steps if new_selection else steps, restart=restart, on_step=on_step)
         final = trainer.save()
         trainer.say(f"saved {final}")
     finally:

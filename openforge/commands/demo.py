@@ -32,7 +32,7 @@ def demo(
     from openforge.commands.rl import run_loop
     from openforge.demo import DemoConfig, prepare, summary
     from openforge.rl.errors import RLError
-    from openforge.trainer.config import ConfigError
+    from openforge.settings import ConfigError
 
     console = Console()
     if gguf is not None and not gguf.is_file():

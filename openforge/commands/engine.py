@@ -7,19 +7,14 @@ import shlex
 import shutil
 import signal
 import threading
-from enum import StrEnum
 from pathlib import Path
 from typing import NoReturn
 from urllib.parse import urlsplit
 
 import typer
 
+from openforge.choices import EngineBackend
 from openforge.commands import FAILED, fail
-
-
-class Backend(StrEnum):
-    llamacpp = "llamacpp"
-    vllm = "vllm"
 
 
 def register(app: typer.Typer) -> None:
@@ -47,9 +42,9 @@ def engine(
                                              "Hugging Face directory (fp32 weights; the tokenizer with the chat "
                                              "template the engine renders prompts with) and exit. It is what "
                                              "`openforge reconstruct --tokenizer` and `openforge train --model` take."),
-    backend: Backend = typer.Option(
-        Backend.llamacpp, "--backend", help="llamacpp (embedded, the default) or vllm (real vLLM's CPU build from "
-        "`make setup-vllm`, serving the GGUF converted to a Hugging Face directory; uses --gguf, --port, --ctx, "
+    backend: EngineBackend = typer.Option(
+        EngineBackend.llamacpp, "--backend", help="llamacpp (embedded, the default) or vllm (real vLLM's CPU build "
+        "from `make setup-vllm`, serving the GGUF converted to a Hugging Face directory; uses --gguf, --port, --ctx, "
         "--log, --model, --dev-mode)."),
     model: Path | None = typer.Option(None, "--model", help="vllm only: serve this Hugging Face directory (a "
                                       "trainer checkpoint, or `--export-hf`'s output) instead of the GGUF's."),
@@ -64,13 +59,14 @@ def engine(
 ) -> None:
     """Serve a GGUF (llama.cpp by default, or real vLLM) on 127.0.0.1 until Ctrl-C or SIGTERM;
     `openforge engine reload` serves a new checkpoint from a running vLLM started with --dev-mode."""
-    from openforge.engine import EmbeddedEngine, EngineError
+    from openforge.engines.llamacpp import EmbeddedEngine
+    from openforge.engines.process import EngineError
     from openforge.models import ModelNotFound
 
     if context.invoked_subcommand is not None:
         return
     _check_settings(port, ctx, parallel, threads)
-    if backend is not Backend.vllm and (model is not None or dev_mode):
+    if backend is not EngineBackend.vllm and (model is not None or dev_mode):
         fail("--model and --dev-mode are for --backend vllm", hint="llama.cpp serves a GGUF (--gguf) and "
              "reloads nothing in place")
     if model is not None and gguf is not None:
@@ -84,8 +80,8 @@ def engine(
             fail(str(e))
         typer.echo(f"wrote {export_hf} (use it as --tokenizer for reconstruct and --model for train)")
         return
-    if backend is Backend.vllm:
-        from openforge.vllm_engine import serve_cli
+    if backend is EngineBackend.vllm:
+        from openforge.engines.vllm import serve_cli
 
         raise typer.Exit(serve_cli(model, gguf, port=port, max_model_len=ctx, log=log, dev_mode=dev_mode,
                                    echo=typer.echo, api_key_file=api_key_file))
@@ -125,8 +121,8 @@ def reload(
     Prints the seconds it took; what the RL loop runs after each checkpoint. An engine without reload
     in place (llama.cpp, vLLM without --dev-mode) fails with the restart command that serves the checkpoint.
     """
-    from openforge.engine import EngineError
-    from openforge.vllm_engine import ReloadUnsupported, checkpoint_weights, reload_weights
+    from openforge.engines.process import EngineError
+    from openforge.engines.vllm import ReloadUnsupported, checkpoint_weights, reload_weights
 
     if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
         fail(f"not an engine URL: {url!r}", hint="pass --url http://HOST:PORT")
@@ -155,7 +151,7 @@ def _no_reload(url: str, weights: Path, key: str) -> NoReturn:
     profile = detect(f"{url.rstrip('/')}/v1/models", key)
     if profile == "llamacpp":
         fail(f"llama.cpp at {url} cannot reload weights in place: restart on vLLM with the new weights: {restart}",
-             hint="or stay on llama.cpp: export the checkpoint as a GGUF (openforge.gguf_export.export_gguf) and "
+             hint="or stay on llama.cpp: export the checkpoint as a GGUF (openforge.engines.gguf.export_gguf) and "
              f"restart with `openforge engine --gguf FILE --port {port}`", code=FAILED)
     engine = "vLLM" if profile == "vllm" else "the engine"
     fail(f"{engine} at {url} offers no weight reload (POST /pause: 404; vLLM mounts it in development mode "
@@ -166,7 +162,7 @@ def _no_reload(url: str, weights: Path, key: str) -> NoReturn:
 
 def _check_settings(port: int, ctx: int, parallel: int, threads: int) -> None:
     """Out-of-range settings are one error line before anything loads."""
-    from openforge.engine import MIN_CONTEXT
+    from openforge.engines.process import MIN_CONTEXT
 
     if not 0 <= port <= 65535:
         fail(f"--port must be 0..65535, not {port}")
@@ -191,7 +187,7 @@ def _export_hf(gguf: Path | None, chat_template: str, target: Path) -> None:
     that reconstruct renders prompts exactly as the engine did."""
     from transformers import AutoTokenizer
 
-    from openforge.engine import resolve_chat_template
+    from openforge.engines.llamacpp import resolve_chat_template
     from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf, gguf_chat_template, hf_dir
 
     template = resolve_chat_template(chat_template)

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 
 import typer
 
+from openforge.choices import ExportFormat
 from openforge.commands import SAMPLES_DB, fail, one_command
-
-
-class Format(StrEnum):
-    """openforge.export.FORMATS."""
-
-    parquet = "parquet"
-    verl = "verl"
-    slime = "slime"
-    trl = "trl"
 
 
 def export_command(
     db: Path = SAMPLES_DB,
-    fmt: Format = typer.Option(..., "--format",
+    fmt: ExportFormat = typer.Option(..., "--format",
                                help="parquet (our columns, images included), verl, slime or trl (text samples only)."),
     out: Path = typer.Option(..., "--out",
                              help="Output file (parquet, verl, trl) or directory of {k}.pt files (slime)."),

@@ -3,31 +3,13 @@
 from __future__ import annotations
 
 import os
-from enum import StrEnum
 from pathlib import Path
 
 import typer
 
+from openforge.choices import Profile, Translate
 from openforge.commands import fail
 from openforge.processes import mitmdump_command
-
-
-class Profile(StrEnum):
-    """openforge.addons.options.PROFILES."""
-
-    auto = "auto"
-    vllm = "vllm"
-    sglang = "sglang"
-    llamacpp = "llamacpp"
-    generic = "generic"
-
-
-class Translate(StrEnum):
-    """openforge.addons.options.TRANSLATE."""
-
-    never = "never"
-    auto = "auto"
-    always = "always"
 
 
 def register(app: typer.Typer) -> None:

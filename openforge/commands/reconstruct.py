@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
+from openforge.choices import Advantage, GroupBy
 from openforge.commands import FAILED, fail, one_command
 
 if TYPE_CHECKING:
     from openforge.reconstruct.summary import Summary
-
-
-class Advantage(StrEnum):
-    """openforge.reconstruct.rewards.ADVANTAGES (not imported: `openforge --help` would load the package)."""
-
-    grpo = "grpo"
-    grpo_no_std = "grpo-no-std"
-    rloo = "rloo"
-
-
-class GroupBy(StrEnum):
-    """openforge.reconstruct.rewards.GROUPINGS."""
-
-    task = "task"
-    task_toolchain = "task-toolchain"
 
 
 def reconstruct_command(

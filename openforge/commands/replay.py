@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from openforge.choices import Side
 from openforge.commands import FAILED, fail
-
-
-class Side(StrEnum):
-    """openforge.replay.trace.Side."""
-
-    client = "client"
-    engine = "engine"
 
 replay_app = typer.Typer(
     help="Answer toolchains from a captured trace (serve), or re-send its calls to an engine (drive).",

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import signal
 import sys
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-from openforge.commands import FAILED, fail, one_command
+from openforge.choices import EngineBackend, Sandbox
+from openforge.commands import FAILED, fail, one_command, option
+from openforge.rl.config import (
+    TRAIN_DEFAULTS,
+    EngineSettings,
+    EvalSettings,
+    LoopSettings,
+    RolloutSettings,
+    TrackingSettings,
+)
+from openforge.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from openforge.rl.loop import RLRun
-
-
-class Engine(StrEnum):
-    """openforge.rl.config.ENGINES."""
-
-    llamacpp = "llamacpp"
-    vllm = "vllm"
 
 
 def _interrupt(*_: object) -> None:
@@ -32,7 +34,7 @@ def _interrupt(*_: object) -> None:
 def run_loop(run: RLRun, console: Console) -> list[dict[str, Any]]:
     """`run.run()`, with `kill` stopping it as Ctrl-C does (episodes, engine and proxy first); a failure or an
     interruption is one message naming the command that continues the run."""
-    from openforge.engine import EngineError
+    from openforge.engines.process import EngineError
     from openforge.processes import ChildError
     from openforge.rl.errors import RLError
 
@@ -47,11 +49,6 @@ def run_loop(run: RLRun, console: Console) -> list[dict[str, Any]]:
         raise typer.Exit(130) from None
 
 
-def setting(flag: str, key: str, help: str, default: Any = None) -> Any:
-    """A named option that sets one rl.toml field (`key`); its help starts with the field it sets."""
-    return typer.Option(default, flag, help=f"{key}: {help}" if help[0] != "(" else f"{key} {help}")
-
-
 def rl(
     out: Path = typer.Option(..., "--out", help="The run's directory: rl.jsonl, rl.png, flows, DuckDB, episodes, "
                                                 "checkpoints, logs (docs/rl.md)."),
@@ -60,29 +57,28 @@ def rl(
                                                               "(docs/rl.md has every field)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out at the stage it stopped in "
                                                         "(its own rl.toml; --set and the options below still apply)."),
-    iterations: int | None = setting("--iterations", "loop.iterations", "rollout -> train -> publish rounds "
-                                     "(default 3)."),
-    engine: Engine | None = setting("--engine", "engine.backend", "llamacpp (embedded; default) or vllm "
-                                    "(`make setup-vllm`)."),
-    tasks: Path | None = setting("--tasks", "rollout.tasks", "task file (docs/rollouts.md). Default: the example "
-                                 "arithmetic tasks for tool-agent."),
-    toolchain: list[str] = setting("--toolchain", "rollout.toolchains", "a built-in adapter or custom:FILE.toml; "
-                                   "repeat for several.", default=[]),
-    attempts: int | None = setting("--attempts", "rollout.attempts", "per task and toolchain (the GRPO group; "
-                                   "default 4)."),
-    concurrency: int | None = setting("--concurrency", "rollout.concurrency", "(default 2)."),
-    steps: int | None = setting("--steps", "train.steps", "optimizer steps per iteration (default 2; 0 = one pass "
-                                "over the iteration's samples)."),
-    lr: float | None = setting("--lr", "train.lr", "(constant: train.min_lr_ratio = 1; default 1e-5)."),
-    window: int | None = setting("--window", "loop.window", "train on the last W iterations' samples (default 1: "
-                                 "this iteration's)."),
-    no_sandbox: bool = setting("--no-sandbox", "rollout.sandbox = none", "agents run as plain processes of your "
-                               "user (prints what is then not protected; docs/rollouts.md, Sandbox).", default=False),
-    eval_tasks: Path | None = setting("--eval-tasks", "eval.tasks", "held-out tasks evaluated every eval.every "
-                                      "policy versions, n samples and greedy (docs/evaluation.md); or --set "
-                                      "eval.split=0.2 to hold out a share of --tasks."),
-    tracker: list[str] = setting("--tracker", "tracking.trackers", "tensorboard, wandb (offline) or mlflow (local "
-                                 "files), under DIR/tracking/; repeat for several (docs/tracking.md).", default=[]),
+    iterations: int | None = option(LoopSettings, "iterations", "--iterations", key="loop.iterations"),
+    engine: EngineBackend | None = option(EngineSettings, "backend", "--engine", key="engine.backend",
+                                          more="(vllm: `make setup-vllm`)"),
+    tasks: Path | None = option(RolloutSettings, "tasks", "--tasks", key="rollout.tasks"),
+    toolchain: list[str] = option(RolloutSettings, "toolchains", "--toolchain", key="rollout.toolchains", default=[],
+                                  more="Repeat for several."),
+    attempts: int | None = option(RolloutSettings, "attempts", "--attempts", key="rollout.attempts"),
+    concurrency: int | None = option(RolloutSettings, "concurrency", "--concurrency", key="rollout.concurrency"),
+    steps: int | None = option(TrainConfig, "steps", "--steps", key="train.steps", value=TRAIN_DEFAULTS["steps"],
+                               more="Per iteration."),
+    lr: float | None = option(TrainConfig, "lr", "--lr", key="train.lr", value=TRAIN_DEFAULTS["lr"],
+                              more="Constant: train.min_lr_ratio = 1."),
+    window: int | None = option(LoopSettings, "window", "--window", key="loop.window"),
+    no_sandbox: bool = typer.Option(False, "--no-sandbox", help="rollout.sandbox = none: agents run as plain "
+                                    "processes of your user (prints what is then not protected; docs/rollouts.md, "
+                                    "Sandbox)."),
+    eval_tasks: Path | None = option(EvalSettings, "tasks", "--eval-tasks", key="eval.tasks",
+                                     more="Evaluated every eval.every policy versions, n samples and greedy "
+                                          "(docs/evaluation.md); or --set eval.split=0.2 to hold out a share of "
+                                          "--tasks."),
+    tracker: list[str] = option(TrackingSettings, "trackers", "--tracker", key="tracking.trackers", default=[],
+                                more="wandb offline, mlflow local files, under DIR/tracking/; repeat for several."),
     sets: list[str] = typer.Option([], "--set", help="Any field as section.key=value, e.g. --set proxy.max_tokens=256 "
                                                      "--set train.kl_coef=0.01; repeat for several."),
 ) -> None:
@@ -99,7 +95,7 @@ def rl(
     from openforge.rl.loop import RLRun
     from openforge.rl.report import read_lines, results_table
     from openforge.rollout.sandbox import NOT_PROTECTED, unavailable
-    from openforge.trainer.config import ConfigError, parse_sets
+    from openforge.settings import ConfigError, parse_sets
 
     named: dict[str, Any] = {
         "loop.iterations": iterations, "engine.backend": engine.value if engine else None,
@@ -120,7 +116,7 @@ def rl(
         run = RLRun(cfg, out, console, resume=resume)
     except (ConfigError, RLError) as e:
         fail(str(e))
-    if cfg.rollout.sandbox == "none":
+    if cfg.rollout.sandbox == Sandbox.none:
         print(NOT_PROTECTED.replace("--no-sandbox", "rollout.sandbox = none"), file=sys.stderr)
     lines = run_loop(run, console)
     console.print(results_table(lines, read_lines(run.eval_path), read_lines(run.canary_path)))

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
+from openforge.choices import RolloutBackend
 from openforge.commands import fail, one_command
 
 if TYPE_CHECKING:
     from openforge.rollout.spec import Limits
-
-
-class Backend(StrEnum):
-    """openforge.rollout.runner.BACKENDS."""
-
-    local = "local"
-    k8s = "k8s"
 
 
 # Options `openforge tasks calibrate` shares (it runs a rollout).
@@ -112,9 +105,9 @@ def rollout(
                                            help="Kept for old scripts: the verifier always runs in a fresh copy of "
                                                 "the workspace now."),
     pass_threshold: float = PASS_THRESHOLD,
-    backend: Backend = typer.Option(
-        Backend.local, help="Where episodes run: 'local' processes, or 'k8s' Jobs (then --proxy is the proxy's URL "
-                            "as the pods reach it; docs/rollouts-k8s.md)."),
+    backend: RolloutBackend = typer.Option(
+        RolloutBackend.local, help="Where episodes run: 'local' processes, or 'k8s' Jobs (then --proxy is the "
+                                   "proxy's URL as the pods reach it; docs/rollouts-k8s.md)."),
     k8s_config: Path | None = typer.Option(
         None, "--k8s-config", help="--backend k8s: TOML file of cluster settings (image, namespace, token Secrets, "
                                    "proxy labels or CIDR and port, resources; docs/rollouts-k8s.md)."),
@@ -148,9 +141,9 @@ def rollout(
                                    on_failure=",".join(on_failure) or "default",
                                    pass_threshold=pass_threshold, backend=backend.value,
                                    sandbox="none" if no_sandbox else "bwrap")
-    if backend is not Backend.k8s and (k8s_config or dry_run):
+    if backend is not RolloutBackend.k8s and (k8s_config or dry_run):
         fail("--k8s-config and --dry-run go with --backend k8s")
-    if backend is Backend.k8s and k8s_config is None:
+    if backend is RolloutBackend.k8s and k8s_config is None:
         fail("--backend k8s needs --k8s-config FILE.toml (docs/rollouts-k8s.md)")
     try:
         k8s_options = k8s.load_options(k8s_config) if k8s_config else None
@@ -161,7 +154,7 @@ def rollout(
             print(f"wrote {len(written)} manifest files for {len(specs)} episodes to {dry_run} (run {run_id}); "
                   f"nothing was started")
             return
-        if backend is Backend.local:
+        if backend is RolloutBackend.local:
             check_proxy(proxy)
     except (RolloutError, k8s.K8sOptionsError) as e:
         fail(str(e))

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
-from enum import StrEnum
 from pathlib import Path
 
 import typer
 
+from openforge.choices import Sandbox, VerifierReward
 from openforge.commands import fail
 
 NOT_CONFINED = ("warning: --no-sandbox: each task's checks (its verifier, solution and the known hacks) run as plain "
                 "processes of your user")
-
-
-class Reward(StrEnum):
-    """openforge.taskforge.verify_tests.REWARDS."""
-
-    all = "all"
-    fraction = "fraction"
 
 
 def register(app: typer.Typer) -> None:
@@ -38,9 +31,9 @@ def mutate(
     timeout_s: float = typer.Option(60.0, "--timeout-s", min=1,
                                     help="Bound of one test run (the unmutated suite, each candidate, each "
                                          "task's verifier); a candidate over it is rejected."),
-    reward: Reward = typer.Option(Reward.all, help="The verifier's reward: 'all' 1.0 when the whole suite passes, "
-                                                   "else 0.0; 'fraction' the fraction of the broken tests that "
-                                                   "pass, 0.0 when another test fails."),
+    reward: VerifierReward = typer.Option(
+        VerifierReward.all, help="The verifier's reward: 'all' 1.0 when the whole suite passes, else 0.0; 'fraction' "
+                                 "the fraction of the broken tests that pass, 0.0 when another test fails."),
     include: list[str] = typer.Option([], help="Glob of the files to mutate, relative to --repo, or PATH::FUNCTION "
                                                "globs (a method is Class.method); repeat for several; default every "
                                                "Python file that is not a test."),
@@ -64,9 +57,9 @@ def mutate(
     from openforge.taskforge.mutate import MutateError, MutateOptions, write_rejected, write_tasks
     from openforge.taskforge.mutate import mutate as run_mutate
 
-    options = MutateOptions(test=test, n=n, seed=seed, timeout_s=timeout_s, reward=reward.value,
+    options = MutateOptions(test=test, n=n, seed=seed, timeout_s=timeout_s, reward=reward,
                             include=tuple(include), jobs=jobs, max_operator_share=max_operator_share,
-                            max_per_function=max_per_function, sandbox="none" if no_sandbox else "bwrap")
+                            max_per_function=max_per_function, sandbox=Sandbox.none if no_sandbox else Sandbox.bwrap)
     if no_sandbox:
         print(NOT_CONFINED, file=sys.stderr)
     # started with the first candidate: a repository refused on its unmutated run prints only its error line

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 
 import typer
 
-from openforge.commands import FAILED, SAMPLES_DB, fail, one_command
-
-
-class Objective(StrEnum):
-    """openforge.trainer.config.OBJECTIVES."""
-
-    ppo = "ppo"
-    sft = "sft"
+from openforge.choices import Objective
+from openforge.commands import FAILED, SAMPLES_DB, fail, one_command, option
+from openforge.trainer.config import TrainConfig
 
 
 def train(
@@ -24,13 +18,12 @@ def train(
     config: Path = typer.Option(None, "--config",
                                 help="TOML file with any TrainConfig field (flat or under \\[train])."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint under --out."),
-    where: str = typer.Option(None, "--where", help="SQL filter on the samples table, e.g. \"reward > 0\"."),
-    objective: Objective | None = typer.Option(
-        None, "--objective", show_default=False, help="ppo (GRPO/PPO clipped surrogate) or sft."),
-    lr: float = typer.Option(None, "--lr", help="Peak learning rate (AdamW, warmup then cosine)."),
-    steps: int = typer.Option(None, "--steps", help="Optimizer steps; 0 = `epochs` passes over the selection."),
-    step_tokens: int = typer.Option(None, "--step-tokens", help="Global batch size in tokens (all ranks)."),
-    row_tokens: int = typer.Option(None, "--row-tokens", help="Tokens per packed row; the longest sample allowed."),
+    where: str = option(TrainConfig, "where", "--where"),
+    objective: Objective | None = option(TrainConfig, "objective", "--objective"),
+    lr: float = option(TrainConfig, "lr", "--lr"),
+    steps: int = option(TrainConfig, "steps", "--steps"),
+    step_tokens: int = option(TrainConfig, "step_tokens", "--step-tokens"),
+    row_tokens: int = option(TrainConfig, "row_tokens", "--row-tokens"),
     sets: list[str] = typer.Option([], "--set", help="Any other field as key=value, e.g. --set kl_coef=0.01."),
 ) -> None:
     """Train a policy on the selected samples (CPU or CUDA; multi-GPU with `torchrun --nproc_per_node N`).
@@ -39,7 +32,8 @@ def train(
     """
     from rich.console import Console
 
-    from openforge.trainer.config import ConfigError, load_config, parse_sets
+    from openforge.settings import ConfigError, parse_sets
+    from openforge.trainer.config import load_config
     from openforge.trainer.data import DataError
 
     console = Console(stderr=True, soft_wrap=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from openforge.engine import EngineError
+from openforge.engines.process import EngineError
 from openforge.processes import write_secret
 from openforge.protocols.control import ControlClient
 from openforge.rl.config import RLConfig, load_rl_config

@@ -3,7 +3,7 @@ the engine while the proxy holds new calls (pause -> publish -> resume with the 
 
 New weights come from the resident trainer's memory, never from a checkpoint. llama.cpp cannot swap weights
 in place: publishing exports them to GGUF (f16) and restarts the server on the same port; the first policy
-is served at that precision too (`gguf_export.served_gguf`). vLLM (development mode, never facing the
+is served at that precision too (`engines.gguf.served_gguf`). vLLM (development mode, never facing the
 network) reloads them in place from a weights-only model directory.
 
 Secrets reach both servers as files in the run's `secrets/` directory (0600 in a 0700 directory), never
@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from openforge.engine import EmbeddedEngine, EngineError, EngineProcess
+from openforge.engines.llamacpp import EmbeddedEngine
+from openforge.engines.process import EngineError, EngineProcess
 from openforge.processes import Child, free_port, listens, mitmdump_command, without_secrets
 from openforge.protocols.control import ControlClient
 from openforge.rl.config import RLConfig
@@ -136,7 +137,7 @@ class LlamaCppPolicy(Policy):
     profile = "llamacpp"
 
     def __init__(self, cfg: RLConfig, template_gguf: Path, served: Path, log_path: Path, key_file: Path) -> None:
-        from openforge.gguf_export import ExportError, served_gguf
+        from openforge.engines.gguf import ExportError, served_gguf
 
         self.cfg, self.template_gguf, self.log_path, self.key_file = cfg, template_gguf, log_path, key_file
         try:
@@ -152,7 +153,7 @@ class LlamaCppPolicy(Policy):
                               log_path=self.log_path, api_key_file=self.key_file)
 
     def publish(self, weights: Weights, version: int, out: Path) -> Path:
-        from openforge.gguf_export import export_gguf
+        from openforge.engines.gguf import export_gguf
 
         target = out / f"policy-{version:04d}.gguf"
         export_gguf(weights, self.template_gguf, target)
@@ -170,7 +171,7 @@ class VllmPolicy(Policy):
     profile = "vllm"
 
     def __init__(self, cfg: RLConfig, served: Path, log_path: Path, key_file: Path) -> None:
-        from openforge.vllm_engine import VllmEngine
+        from openforge.engines.vllm import VllmEngine
 
         e = cfg.engine
         self.served = served
@@ -179,8 +180,8 @@ class VllmPolicy(Policy):
                                              api_key_file=key_file)
 
     def publish(self, weights: Weights, version: int, out: Path) -> Path:
+        from openforge.engines.vllm import reload_weights
         from openforge.trainer.checkpoint import write_weights
-        from openforge.vllm_engine import reload_weights
 
         target = write_weights(weights, self.served, out / f"policy-{version:04d}")
         reload_weights(self.engine.url, target, headers=self.engine.headers())

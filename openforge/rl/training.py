@@ -16,7 +16,7 @@ from openforge.rl.errors import RLError
 
 if TYPE_CHECKING:
     from openforge.trainer.config import TrainConfig
-    from openforge.trainer.train import Selection, Trainer
+    from openforge.trainer.train import Trainer, TrainPlan
 
 
 class Training(RunBase):
@@ -67,17 +67,17 @@ class Training(RunBase):
 
     def train_pass(self, i: int) -> None:
         """Iteration i's pass, start to end: `prepare_pass`, the steps, and a checkpoint when one is due."""
-        selection = self.prepare_pass(i)
-        if selection is not None:
-            self.fit(selection)
+        plan = self.prepare_pass(i)
+        if plan is not None:
+            self.fit(plan)
         self.checkpoint_if_due(i)
 
-    def prepare_pass(self, i: int) -> Selection | None:
+    def prepare_pass(self, i: int) -> TrainPlan | None:
         """What iteration i's pass trains (its weights and optimizer state go on from the last iteration's),
         checked; None when there is nothing to train: no earlier rollouts (async, iteration 0), nothing to
         learn (`nothing_to_learn`: no step, the engine keeps serving the same weights, and rl.jsonl's
         `skipped_train` says why), or the steps already done (a stop saved them)."""
-        from openforge.trainer.config import ConfigError
+        from openforge.settings import ConfigError
         from openforge.trainer.data import DataError
 
         s, source = self.state, self.trains_on(i)
@@ -104,25 +104,25 @@ class Training(RunBase):
                                    "memory only when the run was killed; this iteration trains from the checkpoint")
             if s.train_start_step < 0 or trainer.step < s.train_start_step:
                 s.train_start_step, s.train_end_step = trainer.step, -1
-            selection = trainer.select(where)
+            plan = trainer.plan(where)
             if s.train_end_step < 0:
-                s.train_end_step = trainer.step + selection.steps(trainer.cfg)
+                s.train_end_step = trainer.step + plan.steps(trainer.cfg)
                 s.save(self.state_path)
         except (ConfigError, DataError) as e:
             raise RLError(f"training refused: {e}") from None
         if trainer.step >= s.train_end_step:  # done before a stop, which saved them
-            selection.source.close()
+            plan.source.close()
             return None
-        return selection
+        return plan
 
-    def fit(self, selection: Selection) -> None:
+    def fit(self, plan: TrainPlan) -> None:
         """The pass's steps; a stop between steps (Ctrl-C, `Trainer.stop`) leaves the trainer there, saved
         when the run ends."""
         from openforge.trainer.data import DataError
 
         s, trainer = self.state, self.resident_trainer()
         try:
-            trainer.fit(selection, s.train_end_step, restart=trainer.step == s.train_start_step,
+            trainer.fit(plan, s.train_end_step, restart=trainer.step == s.train_start_step,
                         on_step=lambda record: self.track("train", record, int(record["step"])))
         except DataError as e:
             raise RLError(f"training refused: {e}") from None
@@ -139,8 +139,8 @@ class Training(RunBase):
         """async: iteration i's pass in a thread while the body (its rollout, on the policy served now) runs;
         joined at the end, where its error is raised. A stop of the body (Ctrl-C) stops the trainer at its
         next step boundary and waits for it, so what the run saves on the way out is a state it was in."""
-        selection = self.prepare_pass(i)
-        if selection is None:
+        plan = self.prepare_pass(i)
+        if plan is None:
             yield
             return
         trainer, failed, elapsed = self.resident_trainer(), [], []
@@ -151,7 +151,7 @@ class Training(RunBase):
         def work() -> None:
             started = time.monotonic()
             try:
-                self.fit(selection)
+                self.fit(plan)
             except BaseException as e:  # noqa: BLE001 - raised in the loop's thread after the join
                 failed.append(e)
             finally:

@@ -34,6 +34,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from openforge.choices import Sandbox
 from openforge.processes import stop_group
 from openforge.protocols.client_keys import episode_client_key
 from openforge.protocols.control import CallsAnswer, ControlClient, ControlError
@@ -138,7 +139,7 @@ def verifier_env(home: Path, parent: Mapping[str, str]) -> dict[str, str]:
 
 def placeholders(spec: EpisodeSpec, api_key: str, parent: Mapping[str, str]) -> dict[str, str]:
     base_url = spec.base_url
-    if spec.sandbox == "bwrap":
+    if spec.sandbox == Sandbox.bwrap:
         base_url = sandbox.sandbox_url(spec.proxy_url) + spec.call_prefix
     return {"prompt": spec.task.prompt, "workdir": spec.workdir, "episode": spec.episode, "base_url": base_url,
             "api_key": api_key, "home": spec.home, "tools": tools_dir(), "python": sys.executable,
@@ -254,7 +255,7 @@ class Confinement:
     def prepare(self, *dirs: Path) -> None:
         """Before a step: in `uid` mode the step's directories become the unprivileged user's, and the
         episode's directory (root's, its files 0600) one it may pass through to them."""
-        if self.mode == "uid":
+        if self.mode == Sandbox.uid:
             Path(self.spec.out_dir).chmod(0o711)
             for d in dirs:
                 sandbox.give_to(d, sandbox.NOBODY)
@@ -263,10 +264,10 @@ class Confinement:
     def step(self, argv: list[str], *, cwd: Path, writable: list[Path], network: bool,
              readonly: Sequence[Path] = ()) -> Iterator[tuple[list[str], dict[str, Any]]]:
         """(argv, extra Popen arguments) of one sandboxed step; what it left running is gone afterwards."""
-        if self.mode == "none":
+        if self.mode == Sandbox.none:
             yield argv, {}
             return
-        if self.mode == "uid":
+        if self.mode == Sandbox.uid:
             try:
                 yield argv, sandbox.as_user(sandbox.NOBODY)
             finally:
@@ -402,7 +403,7 @@ def _pristine_run(spec: EpisodeSpec, parent: Mapping[str, str], guard: EpisodeLi
     verifier ran: the same sandbox and limits."""
     shutil.rmtree(where, ignore_errors=True)  # what an interrupted run left
     where.mkdir(parents=True)
-    if spec.sandbox == "uid":
+    if spec.sandbox == Sandbox.uid:
         where.parent.chmod(0o711)  # the unprivileged user passes through to the copy it verifies
     alone = replace(spec, out_dir=str(where), workdir=str(where / "work"), home=str(where / "home"))
     try:
@@ -454,7 +455,7 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
     env = base_env(home, parent)
     calls: CallsAnswer | None = None
     guard = EpisodeLimits(spec.limits, f"openforge-episode-{os.getpid()}", mounts=mounts,
-                          uid=sandbox.NOBODY if spec.sandbox == "uid" else None)
+                          uid=sandbox.NOBODY if spec.sandbox == Sandbox.uid else None)
     try:
         box = Confinement(spec)
         bounded = _setup_workspace(spec, env, out, guard)
@@ -485,7 +486,8 @@ def run_episode(spec: EpisodeSpec, secrets: Secrets, parent_env: Mapping[str, st
         if code is None:
             raise EpisodeError(EpisodeStatus.TIMEOUT, f"agent killed after {spec.task.timeout_s:g} s")
         if code != 0:
-            hint = sandbox.missing_path_hint(read_tail(out / "agent.stderr", 8192)) if spec.sandbox == "bwrap" else None
+            confined = spec.sandbox == Sandbox.bwrap
+            hint = sandbox.missing_path_hint(read_tail(out / "agent.stderr", 8192)) if confined else None
             raise EpisodeError(EpisodeStatus.AGENT_FAILED, f"agent exited {code} (see agent.stderr)"
                                + (f": {hint}" if hint else ""))
         result = _verdict(spec, box, parent, out, result, guard)
@@ -549,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     secrets = Secrets(spec.episode, sys.stdin.fileno() if from_stdin else None, os.environ, spec.role)
     for name in (CLIENT_TOKEN_ENV, REWARD_TOKEN_ENV):  # no child inherits them
         os.environ.pop(name, None)
-    if spec.sandbox == "uid":
+    if spec.sandbox == Sandbox.uid:
         os.umask(0o077)  # what this process writes is root's alone; the agent gets only its own directories
     result = run_episode(spec, secrets, mounts=mounts)
     print(f"{result.episode}: {result.status} reward={result.reward} {result.reason}".rstrip())

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from openforge.choices import RolloutBackend, Sandbox
 from openforge.processes import signal_group, stop_group
 from openforge.protocols.client_keys import episode_client_key
 from openforge.protocols.control import STATUS_PATH, ControlClient, ControlError
@@ -39,7 +40,7 @@ from openforge.rollout.adapters import AdapterError, render, resolve, tools_dir
 from openforge.rollout.failures import POLICIES, EpisodeStatus, classify, policies
 from openforge.rollout.limits import parse_limits
 from openforge.rollout.pristine import FAILS
-from openforge.rollout.sandbox import MODES, unavailable
+from openforge.rollout.sandbox import unavailable
 from openforge.rollout.spec import (
     CLIENT_TOKEN_ENV,
     REWARD_TOKEN_ENV,
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
 OnFailure = str | Mapping[str, str]  # failures.policies: "default", "zero", "drop", "class=policy,..." or a mapping
 
 ON_FAILURE = POLICIES
-BACKENDS = ("local", "k8s")
 EPISODE_SLACK_S = 120.0  # past the timeouts of its steps (TIMEOUTS_PER_EPISODE), the runner kills an episode process
 
 
@@ -315,8 +315,8 @@ def check_proxy(proxy: str, client_token: str | None = None, reward_token: str |
 def check_sandbox(sandbox: str, backend: str) -> str:
     """The sandbox mode episodes run under: `sandbox`, except that a Kubernetes pod confines its agent by
     uid (`bwrap` -> `uid`); RolloutError when the mode is unknown or cannot run here."""
-    if sandbox not in MODES:
-        raise RolloutError(f"sandbox must be one of {', '.join(MODES)}, not {sandbox!r}")
+    if sandbox not in tuple(Sandbox):
+        raise RolloutError(f"sandbox must be one of {', '.join(Sandbox)}, not {sandbox!r}")
     if backend == "k8s":
         return "uid" if sandbox == "bwrap" else sandbox
     if why := unavailable(sandbox):
@@ -339,8 +339,8 @@ def prepare(tasks: str | Path | Sequence[Task], toolchains: Iterable[str | Adapt
         policies(on_failure)
     except ValueError as e:
         raise RolloutError(f"--on-failure / on_failure: {e}") from None
-    if backend not in BACKENDS:
-        raise RolloutError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend not in tuple(RolloutBackend):
+        raise RolloutError(f"--backend must be one of {', '.join(RolloutBackend)}, not {backend!r}")
     if not math.isfinite(pass_threshold):
         raise RolloutError("--pass-threshold must be a finite number")
     if not proxy.startswith(("http://", "https://")):

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from openforge.choices import Sandbox
 from openforge.rollout import seccomp
 
-MODES = ("bwrap", "uid", "none")
 SOCKET_IN_SANDBOX = "/run/openforge/proxy.sock"
 NOBODY = 65534  # the uid and gid the agent runs as in `uid` mode
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -110,7 +110,7 @@ sys.exit(code if code >= 0 else 128 - code)
 
 def unavailable(mode: str) -> str | None:
     """Why `mode` cannot run on this machine, or None when it can."""
-    if mode == "bwrap":
+    if mode == Sandbox.bwrap:
         if not shutil.which("bwrap"):
             return f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}"
         try:
@@ -124,7 +124,7 @@ def unavailable(mode: str) -> str | None:
             return (f"bubblewrap cannot create namespaces here ({why}); allow unprivileged user namespaces "
                     f"(sysctl kernel.unprivileged_userns_clone=1), or run with --no-sandbox")
         return privileges_left()
-    elif mode == "uid" and os.geteuid() != 0:
+    elif mode == Sandbox.uid and os.geteuid() != 0:
         return "sandbox 'uid' needs the episode process to run as root (it starts agents as another user)"
     return None
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
+from openforge.choices import Sandbox
 from openforge.rollout import sandbox as sandboxes
 from openforge.rollout.episode import (
     Confinement,
@@ -414,7 +415,7 @@ def check_task(task: Task, *, noop_max: float = 0.0, sandbox: str = "bwrap",
     if why := sandboxes.unavailable(sandbox):
         raise ValueError(why)
     with _task_root(work_root, task.id) as root:
-        if sandbox == "uid":
+        if sandbox == Sandbox.uid:
             root.chmod(0o711)  # the unprivileged uid passes through to the workspaces it is given
         return Checker(task, noop_max, sandbox, root, dict(os.environ)).run()
 

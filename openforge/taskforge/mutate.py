@@ -29,9 +29,11 @@ from itertools import chain
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from openforge.choices import Sandbox, VerifierReward
 from openforge.rollout import sandbox as sandboxes
 from openforge.rollout.episode import verifier_env
 from openforge.rollout.tasks import parse_task
+from openforge.settings import setting
 from openforge.taskforge import mutations, side_copies
 from openforge.taskforge.check import check_task
 from openforge.taskforge.pytest_run import SuiteRun, excerpt, run_tests
@@ -48,16 +50,19 @@ class MutateError(ValueError):
 
 @dataclass(frozen=True)
 class MutateOptions:
-    test: str  # the repository's test command (bash, runs pytest)
-    n: int = 10  # tasks wanted
-    seed: int = 0
-    timeout_s: float = 60.0  # bound of one run of the tests: unmutated, each candidate, each verify
-    reward: str = "all"  # "all" | "fraction" (verify_tests.reward)
-    include: tuple[str, ...] = ()  # globs of the files to mutate (relative paths); default every non-test .py
-    jobs: int = 2  # candidates tested at once
-    max_operator_share: float = 0.5  # of n: the most tasks one operator makes while others are left
-    max_per_function: int = 2  # the most tasks one function gives while others are left
-    sandbox: str = "bwrap"  # how each task's checks run (check_task)
+    """`openforge tasks mutate`'s settings; the checks with their flags' names are in `Mutator`."""
+
+    test: str = setting(help="The repository's test command (bash, runs pytest).")
+    n: int = setting(10, help="Tasks wanted.")
+    seed: int = setting(0, help="Order in which candidates are tried.")
+    timeout_s: float = setting(60.0, help="Bound of one run of the tests: unmutated, each candidate, each verify.")
+    reward: VerifierReward = setting(VerifierReward.all, help="The verifier's reward (verify_tests.reward).")
+    include: tuple[str, ...] = setting((), help="Globs of the files to mutate (relative paths); default every "
+                                                "non-test .py.")
+    jobs: int = setting(2, help="Candidates tested at once.")
+    max_operator_share: float = setting(0.5, help="Of n: the most tasks one operator makes while others are left.")
+    max_per_function: int = setting(2, help="The most tasks one function gives while others are left.")
+    sandbox: Sandbox = setting(Sandbox.bwrap, help="How each task's checks run (check_task).")
 
 
 @dataclass(frozen=True)

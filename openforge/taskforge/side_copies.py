@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
+from openforge.choices import Sandbox
 from openforge.rollout.episode import Confinement, EpisodeError, run_group, verifier_env
 from openforge.taskforge.repo_files import BACKUP_SUFFIXES
 from openforge.taskforge.solution import confined_spec
@@ -168,7 +169,7 @@ def installed(code: Iterable[str], paths: set[str], command: str, parent: Mappin
     found: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="openforge-side-copies-") as tmp:
         root = Path(tmp)
-        if sandbox == "uid":
+        if sandbox == Sandbox.uid:
             root.chmod(0o711)  # the unprivileged uid passes through to the directories it is given
         work, home = root / "work", root / "home"
         for d in (work, home):

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from openforge.addons import profiles, restream, translate
-from openforge.engine import EmbeddedEngine
+from openforge.engines.llamacpp import EmbeddedEngine
 from openforge.testing.reconstruct_flows import trainable_segments
 from openforge.testing.toolchain_run import read_records
 from toolchains import run as toolchains

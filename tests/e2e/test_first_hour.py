@@ -246,19 +246,18 @@ def test_choice_options_list_their_choices_in_help() -> None:
         assert choices in shown, f"openforge {' '.join(args)} --help does not list {choices}"
 
 
-def test_choice_enums_offer_what_their_modules_accept() -> None:
-    from typing import get_args
+def test_choice_options_are_the_choice_sets_their_modules_check() -> None:
+    """One `StrEnum` per choice set (openforge/choices.py): the option's type is the object the module checks."""
+    from enum import StrEnum
+    from typing import get_args, get_type_hints
 
-    from openforge.addons.options import PROFILES, TRANSLATE
-    from openforge.commands import engine, proxy, reconstruct, rollout, train
-    from openforge.commands import replay as replay_command
-    from openforge.reconstruct.rewards import ADVANTAGES, GROUPINGS
-    from openforge.replay import trace as replay
-    from openforge.rollout.runner import BACKENDS
-    from openforge.trainer.config import OBJECTIVES
+    from openforge import choices
+    from openforge.commands import engine, export, proxy, reconstruct, replay, rl, rollout, train
 
-    assert tuple(proxy.Profile) == PROFILES and tuple(proxy.Translate) == TRANSLATE
-    assert tuple(reconstruct.Advantage) == ADVANTAGES and tuple(reconstruct.GroupBy) == GROUPINGS
-    assert tuple(replay_command.Side) == get_args(replay.Side) and tuple(train.Objective) == OBJECTIVES
-    assert tuple(engine.Backend) == ("llamacpp", "vllm")
-    assert tuple(rollout.Backend) == BACKENDS  # --on-failure takes CLASS=POLICY too: its own parser checks it
+    offered = {(command.__name__, name): kind for command, function in (
+        (engine, engine.engine), (export, export.export_command), (proxy, proxy.proxy), (rl, rl.rl),
+        (reconstruct, reconstruct.reconstruct_command), (replay, replay.serve), (rollout, rollout.rollout),
+        (train, train.train)) for name, kind in get_type_hints(function).items()}
+    kinds = {kind for kind in offered.values() if isinstance(kind, type) and issubclass(kind, StrEnum)}
+    kinds |= {a for kind in offered.values() for a in get_args(kind) if isinstance(a, type) and issubclass(a, StrEnum)}
+    assert kinds and all(getattr(choices, kind.__name__) is kind for kind in kinds)

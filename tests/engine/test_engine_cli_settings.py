@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from openforge.engine import EmbeddedEngine, EngineError
+from openforge.engines.llamacpp import EmbeddedEngine
+from openforge.engines.process import EngineError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from openforge import vllm_engine
-from openforge.engine import EmbeddedEngine
+from openforge.engines import vllm
+from openforge.engines.llamacpp import EmbeddedEngine
+from openforge.engines.vllm import VllmEngine
+from openforge.engines.vllm_launcher import KeyRequired
 from openforge.processes import write_secret
-from openforge.vllm_engine import VllmEngine
-from openforge.vllm_launcher import KeyRequired
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "engine-key-0123456789abcdef"
@@ -92,7 +92,7 @@ def test_vllm_launcher_passes_the_key_in_process(tmp_path: Path) -> None:
     starlette.parent.mkdir()
     starlette.write_text("class Starlette:\n    async def __call__(self, scope, receive, send): pass\n")
     code = f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(ROOT)!r}]; " \
-        "from openforge.vllm_launcher import main; main(sys.argv[1:])"
+        "from openforge.engines.vllm_launcher import main; main(sys.argv[1:])"
     done = subprocess.run([sys.executable, "-I", "-c", code, str(key_file), "fake_server", "--port", "1"],
                           capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
     assert done.returncode == 0, done.stderr
@@ -108,17 +108,17 @@ def test_vllm_with_a_key_starts_through_the_launcher(tmp_path: Path, monkeypatch
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").touch()
     (venv / ".setup-done").touch()
-    monkeypatch.setattr(vllm_engine, "VLLM_VENV", venv)
+    monkeypatch.setattr(vllm, "VLLM_VENV", venv)
     monkeypatch.setenv("VLLM_API_KEY", "from-the-environment")
     monkeypatch.setenv("OPENFORGE_REWARD_TOKENS", "a-reward-token")
     key_file = write_secret(tmp_path / "engine.key", KEY)
     eng = VllmEngine(model, api_key_file=key_file)
-    assert eng.command()[:5] == [str(venv / "bin" / "python"), "-I", str(vllm_engine.LAUNCHER), str(key_file),
-                                 vllm_engine.API_SERVER]
+    assert eng.command()[:5] == [str(venv / "bin" / "python"), "-I", str(vllm.LAUNCHER), str(key_file),
+                                 vllm.API_SERVER]
     assert KEY not in " ".join(eng.command()) and KEY not in eng.env().values()
     assert "VLLM_API_KEY" not in eng.env() and "OPENFORGE_REWARD_TOKENS" not in eng.env()
     assert eng.headers() == {"authorization": f"Bearer {KEY}"}
-    assert VllmEngine(model).command()[1:3] == ["-m", vllm_engine.API_SERVER]
+    assert VllmEngine(model).command()[1:3] == ["-m", vllm.API_SERVER]
 
 
 @pytest.mark.parametrize("content", [None, "\n"])

@@ -11,7 +11,8 @@ import os
 import httpx
 import pytest
 
-from openforge.engine import EmbeddedEngine, EngineError
+from openforge.engines.llamacpp import EmbeddedEngine
+from openforge.engines.process import EngineError
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
 from openforge.models import CHATML_TOOLS_TEMPLATE, default_gguf, hf_dir, load_gguf_tokenizer
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from openforge.engine import EmbeddedEngine
-from openforge.gguf_export import ExportError, export_gguf, llama_permute
+from openforge.engines.gguf import ExportError, export_gguf, llama_permute
+from openforge.engines.llamacpp import EmbeddedEngine
 from openforge.models import default_gguf, load_model
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from openforge.addons import flowfile
-from openforge.engine import EmbeddedEngine
+from openforge.engines.llamacpp import EmbeddedEngine
 from openforge.models import hf_dir
 from openforge.reconstruct import reconstruct
 from openforge.reconstruct.tokenize import load_tokenizer

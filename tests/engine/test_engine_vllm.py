@@ -33,9 +33,9 @@ import openai
 import pytest
 
 from openforge.addons.flowfile import open_flow_file
+from openforge.engines.vllm import VLLM_VENV
 from openforge.examples.tool_agent import ASK, FEW_SHOT, SYSTEM, TOOLS
 from openforge.testing import ROOT
-from openforge.vllm_engine import VLLM_VENV
 
 pytestmark = [
     pytest.mark.vllm,

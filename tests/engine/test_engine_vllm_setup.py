@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from openforge import vllm_engine
-from openforge.engine import EngineError
-from openforge.vllm_engine import VllmEngine, gpu_command
+from openforge.engines import vllm
+from openforge.engines.process import EngineError
+from openforge.engines.vllm import VllmEngine, gpu_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_vllm_dev_mode_reaches_vllm_and_the_gpu_line(model_dir: Path, tmp_path: 
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").touch()
     (venv / ".setup-done").touch()
-    monkeypatch.setattr(vllm_engine, "VLLM_VENV", venv)
+    monkeypatch.setattr(vllm, "VLLM_VENV", venv)
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     plain, dev = VllmEngine(model_dir), VllmEngine(model_dir, dev_mode=True)
     assert "VLLM_SERVER_DEV_MODE" not in plain.env() and dev.env()["VLLM_SERVER_DEV_MODE"] == "1"
@@ -47,7 +47,7 @@ def test_vllm_dev_mode_reaches_vllm_and_the_gpu_line(model_dir: Path, tmp_path: 
 
 
 def test_vllm_missing_environment_says_how_to_install(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(vllm_engine, "VLLM_VENV", tmp_path / "no-venv")
+    monkeypatch.setattr(vllm, "VLLM_VENV", tmp_path / "no-venv")
     with pytest.raises(EngineError, match="make setup-vllm"):
         VllmEngine(model_dir)
 

@@ -177,7 +177,7 @@ def test_preflight_on_the_embedded_engine_checks_the_streamed_tool_call(monkeypa
     """llama.cpp refuses logprobs on a streamed call with tools (400): preflight says "ready" only because
     the proxy sends that call unstreamed; sent streamed (as the proxy once did), preflight fails naming it."""
     from openforge import preflight
-    from openforge.engine import EmbeddedEngine
+    from openforge.engines.llamacpp import EmbeddedEngine
 
     with EmbeddedEngine(threads=1, log_path=tmp_path / "engine.log") as eng:
         code, report = run_json("--upstream", eng.url)

@@ -13,7 +13,7 @@ import pytest
 
 from openforge.rl.config import load_rl_config
 from openforge.rl.errors import RLError
-from openforge.trainer.config import ConfigError
+from openforge.settings import ConfigError
 from tests.rl.test_rl_faults import Run
 
 WAIT = 30.0  # seconds one side waits to see the other running: a sequential loop never does

@@ -34,9 +34,9 @@ from openforge.rollout.episode import parse_reward, verifier_env, write_under
 from openforge.rollout.runner import Rollout, summarize, write_rollout
 from openforge.rollout.spec import EpisodeResult, EpisodeSpec, Task
 from openforge.rollout.tasks import read_tasks
+from openforge.settings import ConfigError
 from openforge.testing import ROOT
 from openforge.testing.reconstruct_fixtures import qwen_tok  # noqa: F401 - the fixture, used by name
-from openforge.trainer.config import ConfigError
 
 # --- the shipped canaries ------------------------------------------------------------------------------------
 

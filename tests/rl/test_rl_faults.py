@@ -19,7 +19,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from openforge.engine import EngineError
+from openforge.engines.process import EngineError
 from openforge.reconstruct import store
 from openforge.rl import episodes
 from openforge.rl.config import load_rl_config

@@ -31,7 +31,7 @@ from openforge.rl.errors import RLError
 from openforge.rl.loop import RLRun
 from openforge.rl.state import STAGES
 from openforge.rollout.spec import Adapter, EpisodeSpec, Task
-from openforge.trainer.config import ConfigError
+from openforge.settings import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--iterations", "2", "--attempts", "2", "--steps", "1", "--set", "rollout.max_tasks=2",
@@ -42,15 +42,15 @@ SHORT = ["--iterations", "2", "--attempts", "2", "--steps", "1", "--set", "rollo
 
 def test_config_defaults_file_sets_and_flags_in_that_order(tmp_path: Path) -> None:
     cfg = load_rl_config()
-    assert (cfg.engine.backend, cfg.loop.iterations, cfg.rollout.toolchains, cfg.train["steps"]) == \
+    assert (cfg.engine.backend, cfg.loop.iterations, cfg.rollout.toolchains, cfg.train.steps) == \
         ("llamacpp", 3, ["tool-agent"], 2)
-    assert cfg.train["min_lr_ratio"] == 1.0  # constant lr: a cosine schedule would restart every iteration
+    assert cfg.train.min_lr_ratio == 1.0  # constant lr: a cosine schedule would restart every iteration
     path = tmp_path / "rl.toml"
     path.write_text('[loop]\niterations = 5\nwindow = 2\n[rollout]\ntoolchains = ["codex", "tool-agent"]\n'
                     '[train]\nlr = 3e-6\nkl_coef = 0.01\n')
     cfg = load_rl_config(path, {"loop.iterations": "7", "rollout.toolchains": "claude-code,codex"})
     assert (cfg.loop.iterations, cfg.loop.window, cfg.rollout.toolchains) == (7, 2, ["claude-code", "codex"])
-    assert cfg.train["lr"] == 3e-6 and cfg.train_config("db", "m", "o").kl_coef == 0.01
+    assert cfg.train.lr == 3e-6 and cfg.train_config("db", "m", "o").kl_coef == 0.01
     saved = tmp_path / "saved.toml"
     saved.write_text(cfg.to_toml())
     assert load_rl_config(saved) == cfg  # what --resume reads back

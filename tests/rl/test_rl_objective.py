@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 
 from openforge.reconstruct import store
 from openforge.rl.config import load_rl_config
+from openforge.settings import ConfigError
 from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
-from openforge.trainer.config import ConfigError, load_config
+from openforge.trainer.config import load_config
 from openforge.trainer.data import DataError, SampleSource
 from openforge.trainer.train import lr_factor, train
 from tests.rl.test_rl_faults import Run

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from openforge.engine import EmbeddedEngine
-from openforge.gguf_export import served_gguf
+from openforge.engines.gguf import served_gguf
+from openforge.engines.llamacpp import EmbeddedEngine
 from openforge.models import default_gguf, hf_dir
 from openforge.rl.config import load_rl_config
 from openforge.rl.services import LlamaCppPolicy

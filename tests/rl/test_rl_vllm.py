@@ -16,8 +16,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from openforge.engines.vllm import VLLM_VENV
 from openforge.testing import ROOT
-from openforge.vllm_engine import VLLM_VENV
 
 pytestmark = [
     pytest.mark.vllm,

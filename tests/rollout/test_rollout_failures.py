@@ -281,7 +281,7 @@ def test_rollout_refuses_to_start_when_the_proxy_does_not_answer(tmp_path: Path)
 
 def test_rl_config_takes_on_failure_as_one_value_or_a_table_and_writes_it_back(tmp_path: Path) -> None:
     from openforge.rl.config import load_rl_config
-    from openforge.trainer.config import ConfigError
+    from openforge.settings import ConfigError
 
     assert load_rl_config().rollout.on_failure == DEFAULT_POLICY
     assert load_rl_config(sets={"rollout.on_failure": "zero"}).rollout.on_failure == dict.fromkeys(DEFAULT_POLICY,

@@ -34,9 +34,9 @@ from openforge.rollout.limits import parse_limits
 from openforge.rollout.runner import summarize
 from openforge.rollout.sizes import format_size, parse_size
 from openforge.rollout.spec import Adapter, EpisodeResult, EpisodeSpec, Limits, Task
+from openforge.settings import ConfigError
 from openforge.testing import ROOT
 from openforge.testing.toolchain_engine import ToolchainEngine
-from openforge.trainer.config import ConfigError
 from tests.rollout.test_rollout_failures import FakeProxy
 
 MiB = 2**20

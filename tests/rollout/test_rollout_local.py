@@ -243,7 +243,7 @@ def test_example_agent_against_the_embedded_engine(start_proxy: Any, tmp_path: P
     scripted one. Every episode ends with a posted reward: `ok` with the verifier's (right answer 1.0, else
     0.0), or `agent_failed` with 0.0 (a sampled tool call that is not JSON makes llama.cpp answer 500 and
     the agent exit 1); the rewards and the engine's own token ids reach DuckDB through reconstruct."""
-    from openforge.engine import EmbeddedEngine
+    from openforge.engines.llamacpp import EmbeddedEngine
     from openforge.models import load_gguf_tokenizer
 
     monkeypatch.setenv("OPENFORGE_CLIENT_TOKEN", CLIENT)

@@ -297,7 +297,7 @@ def test_without_bubblewrap_a_rollout_refuses_to_start_and_names_the_way_out(tmp
 
 def test_rl_config_takes_the_three_modes_only() -> None:
     from openforge.rl.config import load_rl_config
-    from openforge.trainer.config import ConfigError
+    from openforge.settings import ConfigError
 
     assert load_rl_config().rollout.sandbox == "bwrap"
     assert load_rl_config(sets={"rollout.sandbox": "none"}).rollout.sandbox == "none"

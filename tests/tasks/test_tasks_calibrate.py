@@ -29,10 +29,10 @@ from openforge.rl.errors import RLError
 from openforge.rl.loop import RLRun
 from openforge.rollout.runner import Rollout, write_rollout
 from openforge.rollout.spec import EpisodeResult
+from openforge.settings import ConfigError
 from openforge.taskforge.calibrate import KEPT, TOO_EASY, TOO_HARD, UNMEASURED, parse_band, pass_rates, verdict
 from openforge.testing import ROOT
 from openforge.testing.toolchain_engine import ToolchainEngine
-from openforge.trainer.config import ConfigError
 
 CLIENT = "client-token-calibrate-0123456789"
 REWARD = "reward-token-calibrate-0123456789"

@@ -12,9 +12,10 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask
 from transformers.masking_utils import create_causal_mask
 
 import openforge.trainer.attention as attention
+from openforge.settings import ConfigError
 from openforge.testing.trainer_samples import tiny_config
 from openforge.trainer.attention import choose_attention, flex_row, interval_mask, row_ends, row_length
-from openforge.trainer.config import ConfigError, TrainConfig, load_config
+from openforge.trainer.config import TrainConfig, load_config
 from openforge.trainer.data import Sample
 from openforge.trainer.model import load_model
 from openforge.trainer.packing import Row, coefficients, make_row

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from openforge.trainer.config import ConfigError, TrainConfig, dump_toml, load_config, read_toml, toml_value
+from openforge.settings import ConfigError, read_toml, toml_value
+from openforge.trainer.config import TrainConfig, dump_toml, load_config
 
 
 def test_a_dumped_config_reads_back_the_same(tmp_path: Path) -> None:

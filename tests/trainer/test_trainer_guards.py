@@ -15,9 +15,10 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
+from openforge.settings import ConfigError
 from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 from openforge.trainer import checkpoint
-from openforge.trainer.config import ConfigError, load_config
+from openforge.trainer.config import load_config
 from openforge.trainer.data import DataError, Position
 from openforge.trainer.train import train
 

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from openforge.settings import ConfigError
 from openforge.testing.trainer_samples import tiny_model
 from openforge.testing.trainer_tree import assert_same_step, run_rows
-from openforge.trainer.config import ConfigError, TrainConfig
+from openforge.trainer.config import TrainConfig
 from openforge.trainer.data import Sample
 from openforge.trainer.loss import logit_positions, target_logprobs
 from openforge.trainer.model import load_model

@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from openforge.settings import ConfigError
 from openforge.testing.trainer_samples import make_samples, qwen_tokenizer, write_samples
 from openforge.trainer import dist
-from openforge.trainer.config import ConfigError, TrainConfig, load_config
+from openforge.trainer.config import TrainConfig, load_config
 from openforge.trainer.dist import resolve_precision
 from openforge.trainer.train import train
 

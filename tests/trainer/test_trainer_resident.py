@@ -58,8 +58,8 @@ def test_one_resident_trainer_equals_saving_and_reloading_between_passes(db, tin
 
     resident = Trainer(config(db, tiny_qwen_dir, tmp_path / "resident"), say=lambda _: None)
     for where in (first, second):
-        selection = resident.select(where)
-        resident.fit(selection, resident.step + selection.steps(resident.cfg))
+        plan = resident.plan(where)
+        resident.fit(plan, resident.step + plan.steps(resident.cfg))
     assert resident.step == int(final.name.split("_")[1]) >= 4 and resident.unsaved
     expected, got = weights(final), resident.weights()
     assert set(got) == set(expected)
@@ -71,9 +71,9 @@ def test_one_resident_trainer_equals_saving_and_reloading_between_passes(db, tin
 
 def test_a_pass_interrupted_between_steps_goes_on_from_the_checkpoint_saved_then(db, tiny_qwen_dir, tmp_path):
     whole = Trainer(config(db, tiny_qwen_dir, tmp_path / "whole"), say=lambda _: None)
-    selection = whole.select("")
-    end = selection.steps(whole.cfg)
-    whole.fit(selection, end)
+    plan = whole.plan("")
+    end = plan.steps(whole.cfg)
+    whole.fit(plan, end)
     assert end >= 3
 
     def stop_after_step_2(record: dict) -> None:
@@ -83,14 +83,14 @@ def test_a_pass_interrupted_between_steps_goes_on_from_the_checkpoint_saved_then
     out = tmp_path / "stopped"
     stopped = Trainer(config(db, tiny_qwen_dir, out), say=lambda _: None)
     with pytest.raises(KeyboardInterrupt):
-        stopped.fit(stopped.select(""), end, on_step=stop_after_step_2)
+        stopped.fit(stopped.plan(""), end, on_step=stop_after_step_2)
     assert stopped.step == 2
     saved = stopped.save()  # what the RL loop does when the run stops
     assert (saved / "proximal_rank0.pt").is_file()  # the pass is not over: its proximal policy is kept
 
     again = Trainer(config(db, tiny_qwen_dir, out), resume=True, say=lambda _: None)
     assert again.step == 2
-    again.fit(again.select(""), end, restart=False)
+    again.fit(again.plan(""), end, restart=False)
     expected, got = whole.weights(), again.weights()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(tmp_path / "whole")]

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from openforge.settings import ConfigError
 from openforge.testing.trainer_samples import qwen_tokenizer, tiny_model, write_samples
 from openforge.testing.trainer_tree import assert_same_run, assert_same_step, computed, run_metrics, run_rows
-from openforge.trainer.config import ConfigError, TrainConfig, load_config
+from openforge.trainer.config import TrainConfig, load_config
 from openforge.trainer.packing import coefficients
 from openforge.trainer.train import rows_of, train
 from openforge.trainer.tree import TreeChoice, kilo

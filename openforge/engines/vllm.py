@@ -4,7 +4,7 @@ vLLM lives in its own environment (`.venv-vllm`): its pins would fight the main 
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU wheel looks up
 package metadata named `vllm` and fails), started in its own process group (`openforge.processes.Child`)
 because it spawns an engine core process: stopping signals the whole group, so no process outlives `stop()`.
-With an API key file the server starts through `openforge/vllm_launcher.py`, which keeps the key out of its
+With an API key file the server starts through `openforge/engines/vllm_launcher.py`, which keeps the key out of its
 command line and environment and requires it on every path but /health (development endpoints included).
 """
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 
-from openforge.engine import EngineError, EngineProcess
+from openforge.engines.process import EngineError, EngineProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = Path(__file__).resolve().parent / "vllm_launcher.py"
 API_SERVER = "vllm.entrypoints.openai.api_server"
 VLLM_VENV = ROOT / ".venv-vllm"

@@ -13,6 +13,8 @@ import time
 
 from mitmproxy import http
 
+from openforge.choices import Profile
+
 from . import options, profiles
 
 logger = logging.getLogger("openforge")
@@ -32,7 +34,7 @@ def check_role_upstreams(s: options.Settings) -> None:
                                     "or fix the role's 'upstream' in openforge_models") from None
 
 
-class Engine:
+class UpstreamProbe:
     """`profile`: the configured or detected engine profile, None until detected."""
 
     def __init__(self) -> None:
@@ -47,7 +49,7 @@ class Engine:
         if old is None or (old.upstream_url, old.upstream_key, old.engine_profile) != (
             s.upstream_url, s.upstream_key, s.engine_profile
         ):
-            self.profile = None if s.engine_profile == "auto" else s.engine_profile
+            self.profile = None if s.engine_profile == Profile.auto else s.engine_profile
             self.ok_at = float("-inf")
         self._settings = s
 
