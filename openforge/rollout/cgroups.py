@@ -208,6 +208,22 @@ class Cgroup:
         self.dirs = {}
 
 
+def remove_stale(found: Mapping[str, Hierarchy], prefix: str) -> None:
+    """Remove the cgroups `<prefix><pid>` of episode processes that are gone: one killed by SIGKILL could not
+    remove its own. A cgroup of a process still running (or a pid reused) is left, and so is one that still
+    holds processes (rmdir refuses it)."""
+    parents = {p for h in found.values() for p in (h.own, h.mount / "openforge")}
+    for parent in parents:
+        for d in parent.glob(prefix + "*"):
+            try:
+                os.kill(int(d.name.removeprefix(prefix)), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            except (ValueError, PermissionError, OverflowError):
+                pass
+
+
 def _make_v1(h: Hierarchy, name: str) -> Path:
     d = h.own / name
     d.mkdir()

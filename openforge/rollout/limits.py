@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from openforge.rollout.bounded import BoundedDirs, Output, SizeWatch
-from openforge.rollout.cgroups import CONTROLLER, Cgroup, find_hierarchies
+from openforge.rollout.cgroups import CONTROLLER, Cgroup, find_hierarchies, remove_stale
 from openforge.rollout.sizes import format_size, parse_size
 from openforge.rollout.spec import Limits
 
@@ -202,8 +202,9 @@ class Step:
 
 
 class EpisodeLimits:
-    """The limits of one episode as this machine enforces them: the cgroup (made at once, removed by `close`),
-    the rlimits that stand in for what it lacks, the bounded file systems; `enforced` says what holds each."""
+    """The limits of one episode as this machine enforces them: the cgroup `name` (`<stem>-<pid>`, made at once
+    after the cgroups of the stem's dead pids are removed, removed by `close`), the rlimits that stand in for
+    what it lacks, the bounded file systems; `enforced` says what holds each."""
 
     def __init__(self, limits: Limits, name: str, *, mounts: bool = False, uid: int | None = None) -> None:
         self.limits, self.mounts = limits, mounts
@@ -212,7 +213,9 @@ class EpisodeLimits:
         self.enforced: dict[str, str] = {}
         self.cgroup: Cgroup | None = None
         if any(getattr(limits, k) for k in CONTROLLER) and os.geteuid() == 0:
-            self.cgroup = Cgroup.create(limits, name, find_hierarchies())
+            found = find_hierarchies()
+            remove_stale(found, name.rpartition("-")[0] + "-")  # name: <stem>-<pid>
+            self.cgroup = Cgroup.create(limits, name, found)
         self.rlimits: list[tuple[int, int]] = []
         value = shown(limits)
         for limit in ("memory", "pids", "cpus"):

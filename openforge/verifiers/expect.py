@@ -14,7 +14,9 @@ import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-REWARDS = ("all", "fraction")
+from openforge.choices import VerifierReward
+
+REWARDS = tuple(VerifierReward)
 TEST_FILES = ("test_*.py", "*_test.py")  # pytest's default python_files
 SKIPPING = ("skip", "skipif", "xfail")
 

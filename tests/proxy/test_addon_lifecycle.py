@@ -114,12 +114,14 @@ mitmdump()
 def test_the_script_runs_from_a_bare_checkout_with_only_mitmproxy_and_msgpack(tmp_path: Path) -> None:
     """`mitmdump -s addons/openforge.py` as docs/addon.md shows it, from a checkout that was never installed,
     beside mitmproxy and msgpack only: a real call through it is answered and recorded. The checkout holds
-    what the proxy needs: `addons/`, `openforge/__init__.py` and the standard-library `openforge/protocols/`."""
+    what the proxy needs: `addons/`, `openforge/__init__.py` and the standard-library `openforge/protocols/`,
+    `openforge/settings.py` and `openforge/choices.py`."""
     checkout = tmp_path / "checkout"
     no_cache = shutil.ignore_patterns("__pycache__")
     shutil.copytree(ROOT / "addons", checkout / "addons", ignore=no_cache)
     shutil.copytree(ROOT / "openforge" / "protocols", checkout / "openforge" / "protocols", ignore=no_cache)
-    shutil.copy(ROOT / "openforge" / "__init__.py", checkout / "openforge")
+    for name in ("__init__.py", "settings.py", "choices.py"):
+        shutil.copy(ROOT / "openforge" / name, checkout / "openforge")
     (checkout / "openforge" / "addons").symlink_to("../addons")
     site = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENFORGE_", "PYTHON"))}

@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import pytest
 from rich.console import Console
 
 from openforge.rollout import k8s
-from openforge.rollout.cgroups import Cgroup, Hierarchy, hierarchies
+from openforge.rollout.cgroups import Cgroup, Hierarchy, hierarchies, remove_stale
 from openforge.rollout.episode import Secrets, run_episode
 from openforge.rollout.limits import parse_limits
 from openforge.rollout.runner import summarize
@@ -167,6 +167,22 @@ def test_a_cgroup_v2_gets_its_limits_under_the_own_cgroup_or_under_openforge(tmp
     (d / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 1\noom_kill 2\n")
     (d / "pids.events").write_text("max 3\n")
     assert group.counters() == {"memory": 2, "pids": 3}
+
+
+def test_the_cgroups_of_dead_episode_processes_are_removed_and_no_other(tmp_path: Path) -> None:
+    h = fake_v2(tmp_path, own_enabled=False)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    made = {name: parent / name for parent in (h.own, h.mount / "openforge")
+            for name in (f"openforge-episode-{dead.pid}", f"openforge-episode-{os.getpid()}", "openforge-episode-x")}
+    for d in made.values():
+        d.mkdir(parents=True, exist_ok=True)
+    busy = h.own / "openforge-episode-999999999"
+    (busy / "sub").mkdir(parents=True)  # rmdir refuses a cgroup that is not empty
+    remove_stale({"memory": h}, "openforge-episode-")
+    assert not (h.own / f"openforge-episode-{dead.pid}").exists()
+    assert not (h.mount / "openforge" / f"openforge-episode-{dead.pid}").exists()
+    assert all(d.exists() for name, d in made.items() if str(dead.pid) not in name) and busy.exists()
 
 
 # --- output, calls, the verifier (one episode in this process, no sandbox) ------------------------------------
@@ -346,8 +362,16 @@ def leftovers() -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
-def leftover_cgroups() -> list[str]:
-    return [str(p) for p in Path("/sys/fs/cgroup").glob("**/openforge-episode-*") if p.is_dir()]
+def episode_cgroups() -> set[str]:
+    return {str(p) for p in Path("/sys/fs/cgroup").glob("**/openforge-episode-*") if p.is_dir()}
+
+
+@pytest.fixture
+def leftover_cgroups() -> Callable[[], list[str]]:
+    """The episode cgroups made since the test began that are still there (one an earlier test's episode
+    process left when it was killed is not this test's)."""
+    before = episode_cgroups()
+    return lambda: sorted(episode_cgroups() - before)
 
 
 @pytest.fixture
@@ -358,8 +382,8 @@ def engine(qwen_tok: Any) -> Iterator[ToolchainEngine]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("user", ["root", "nobody"])
-def test_abusive_agents_stop_at_their_limits_under_openforge_rollout(engine: ToolchainEngine, start_proxy: Any,
-                                                                     user: str) -> None:
+def test_abusive_agents_stop_at_their_limits_under_openforge_rollout(
+        engine: ToolchainEngine, start_proxy: Any, user: str, leftover_cgroups: Callable[[], list[str]]) -> None:
     """As root: cgroup v1 here (memory, pids, cpu) and a tmpfs workspace, and each abuse is `resource` with
     its limit's name. As uid 65534: RLIMIT_AS, RLIMIT_NPROC, RLIMIT_FSIZE with size checks; the memory and
     process abuses are stopped as well, but only the agent sees the refusal (a failed allocation or fork),
@@ -434,7 +458,7 @@ def check_abuses(results: dict[str, dict[str, Any]], episodes: dict[str, Path], 
 
 @pytest.mark.slow
 def test_abusive_agents_under_openforge_rl_leave_the_loop_and_honest_rewards_alone(
-        engine: ToolchainEngine, tmp_path: Path) -> None:
+        engine: ToolchainEngine, tmp_path: Path, leftover_cgroups: Callable[[], list[str]]) -> None:
     """One iteration of the loop with the scripted engine behind the real proxy it starts (the budget on its
     command line), the rollout real, reconstruct, train and publish stand-ins: rl.jsonl and the trackers get
     what fired."""

@@ -314,7 +314,7 @@ def test_operators_replace_one_span() -> None:
 
 
 def test_fraction_reward() -> None:
-    from openforge.commands.tasks_mutate import Reward
+    from openforge.choices import VerifierReward as Reward
 
     assert tuple(Reward) == REWARDS
     spec = {"broken": ["t::a", "t::b"], "passed_at_least": 4, "reward": "fraction"}
