@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from openforge.choices import Sandbox, VerifierReward
-from openforge.commands import fail
+from openforge.commands import FAILED, fail
 
 NOT_CONFINED = ("warning: --no-sandbox: each task's checks (its verifier, solution and the known hacks) run as plain "
                 "processes of your user")
@@ -22,8 +22,10 @@ def register(app: typer.Typer) -> None:
 
 def mutate(
     repo: Path = typer.Option(..., help="The repository: its text files become each task's workspace."),
-    test: str = typer.Option(..., help="Its test command, run with bash in the repository; it must run pytest "
-                                       "(e.g. 'python -m pytest -q') and pass before any mutation."),
+    test: str = typer.Option(..., help="Its test command, run with bash in the repository (and in the sandbox, "
+                                       "by each task's verifier); it must run pytest with a Python that has "
+                                       "OpenForge (e.g. '\"$OPENFORGE_PYTHON\" -m pytest -q') and pass before "
+                                       "any mutation."),
     out: Path = typer.Option(..., help="The task file to write (JSON lines, docs/rollouts.md); the rejected "
                                        "candidates go to OUT.rejected.jsonl."),
     n: int = typer.Option(10, "--n", min=1, help="Tasks to make; stops once it has them."),
@@ -100,3 +102,5 @@ def mutate(
                       f"{rejected_path}; {result.wall_s:.1f} s (the unmutated suite: {result.baseline_s:.1f} s)")
     if len(result.tasks) < n:
         out_console.print(f"only {len(result.tasks)} of the {n} tasks asked for: every mutation site was tried")
+    if not result.tasks:
+        raise typer.Exit(FAILED)

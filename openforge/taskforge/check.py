@@ -157,7 +157,7 @@ class Workspace:
         try:
             return Verdict(parse_reward(stdout, code if code is not None else 0, stderr))
         except ValueError as e:
-            return Verdict(None, str(e))
+            return Verdict(None, str(e) + _said(self.out / "verify.stderr"))
 
 
 def _said(path: Path) -> str:
@@ -418,6 +418,18 @@ def check_task(task: Task, *, noop_max: float = 0.0, sandbox: str = "bwrap",
         if sandbox == Sandbox.uid:
             root.chmod(0o711)  # the unprivileged uid passes through to the workspaces it is given
         return Checker(task, noop_max, sandbox, root, dict(os.environ)).run()
+
+
+def verify_untouched(task: Task, *, sandbox: str = "bwrap") -> Verdict:
+    """The task's verifier once on its untouched workspace (files written, setup run), confined per `sandbox`:
+    what `tasks mutate` asks of the unmutated repository before it tries any mutant."""
+    with _task_root(None, task.id) as root:
+        if sandbox == Sandbox.uid:
+            root.chmod(0o711)
+        untouched = Workspace(Checker(task, 0.0, sandbox, root, dict(os.environ)), "untouched")
+        if why := untouched.build():
+            return Verdict(None, why)
+        return untouched.verify()
 
 
 def check_tasks(tasks: Iterable[Task], *, noop_max: float = 0.0, sandbox: str = "bwrap",

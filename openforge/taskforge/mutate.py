@@ -35,7 +35,7 @@ from openforge.rollout.episode import verifier_env
 from openforge.rollout.tasks import parse_task
 from openforge.settings import setting
 from openforge.taskforge import mutations, side_copies
-from openforge.taskforge.check import check_task
+from openforge.taskforge.check import check_task, verify_untouched
 from openforge.taskforge.pytest_run import SuiteRun, excerpt, run_tests
 from openforge.taskforge.repo_files import RepoError, read_repo, write_repo
 
@@ -184,11 +184,17 @@ def prompt(test: str, failing: tuple[str, ...], run: SuiteRun, root: Path) -> st
             "do not change them.")
 
 
-def verify_command(options: MutateOptions, broken: tuple[str, ...], passed: int, files: Iterable[str]) -> str:
-    spec = {"test": options.test, "broken": list(broken), "passed_at_least": passed, "reward": options.reward,
+def verify_command(options: MutateOptions, broken: tuple[str, ...], passed: int, files: Iterable[str],
+                   reward: VerifierReward | None = None) -> str:
+    spec = {"test": options.test, "broken": list(broken), "passed_at_least": passed, "reward": reward or options.reward,
             "timeout_s": options.timeout_s, "files": sorted(files)}
     return (f"{shlex.quote(sys.executable)} -m openforge.taskforge.verify_tests "
             f"{shlex.quote(json.dumps(spec, separators=(',', ':')))}")
+
+
+def task_timeout(options: MutateOptions) -> float:
+    """A task's timeout_s: room for its setup, the agent and a verifier run of up to --timeout-s."""
+    return max(TASK_TIMEOUT_S, 2 * options.timeout_s)
 
 
 def make_task(m: mutations.Mutation, files: dict[str, str], run: SuiteRun, broken: tuple[str, ...], root: Path,
@@ -202,7 +208,7 @@ def make_task(m: mutations.Mutation, files: dict[str, str], run: SuiteRun, broke
     return {"id": task_id(m), "prompt": prompt(options.test, broken, run, root), "files": workspace,
             "editable": sorted(mutable_files(workspace, ())),
             "verify": verify_command(options, broken, passed, workspace),
-            "timeout_s": max(TASK_TIMEOUT_S, 2 * options.timeout_s),
+            "timeout_s": task_timeout(options),
             "solution": unified_diff(m.file, workspace[m.file], original),
             "metadata": {"source": "mutate", "mutation": {"operator": m.operator, "file": m.file,
                                                           "function": m.function, "line": m.line}}}
@@ -261,6 +267,13 @@ def _baseline(files: dict[str, str], root: Path, options: MutateOptions, env: di
         failing = ", ".join(run.failing[:3]) + (" ..." if len(run.failing) > 3 else "")
         raise MutateError(f"the tests fail before any mutation (exit {run.exit_code}; failing: {failing or 'none'});"
                           " mutate needs a passing suite")
+    unmutated = parse_task({"id": "unmutated", "prompt": "-", "files": files, "timeout_s": task_timeout(options),
+                            "verify": verify_command(options, (), run.passed, files, VerifierReward.all)})
+    verdict = verify_untouched(unmutated, sandbox=options.sandbox)
+    if verdict.reward != 1.0:
+        raise MutateError(f"the tasks' verifier does not pass the unmutated repository (it scores {verdict}); in "
+                          "the sandbox, the test command must run pytest with a Python that has OpenForge, e.g. "
+                          "--test '\"$OPENFORGE_PYTHON\" -m pytest -q'")
     return run
 
 

@@ -251,6 +251,19 @@ def test_failing_suite_is_one_error_line(tmp_path: Path) -> None:
     assert not (tmp_path / "t.jsonl").exists()
 
 
+def test_a_test_command_its_verifier_cannot_score_is_one_error_line(tmp_path: Path) -> None:
+    """A suite that passes but whose pytest never loads the verifier's plugin (blocked here; a bare `python`
+    missing from the sandbox's PATH does the same) would leave every task unscorable: refused before any
+    mutant is tried, naming the verifier's own error."""
+    done = cli("--repo", str(PROJECT), "--test", f"{TEST} -p no:openforge.verifiers.plugin",
+               "--out", str(tmp_path / "t.jsonl"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith("error: the tasks' verifier does not pass the unmutated repository")
+    assert "never loaded the verifier's pytest plugin" in done.stderr and "$OPENFORGE_PYTHON" in done.stderr
+    assert not (tmp_path / "t.jsonl").exists()
+
+
 def test_hanging_test_command_is_one_error_line(tmp_path: Path) -> None:
     done = cli("--repo", str(PROJECT), "--test", "sleep 600", "--timeout-s", "1", "--out", str(tmp_path / "t.jsonl"))
     assert done.returncode == 2
