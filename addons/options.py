@@ -463,6 +463,9 @@ def describe_routes(routes: dict[str, Route]) -> str:
 
 
 def _bool(name: str, value: str) -> bool:
+    """`parse_bool`, with an empty value (`OPENFORGE_BLOCK_OTHER=`) read as false, as an unset one."""
+    if not value.strip():
+        return False
     try:
         return parse_bool(value)
     except ValueError:

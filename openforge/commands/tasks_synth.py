@@ -72,22 +72,18 @@ def synth(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from openforge.addons.flowfile import read_key
-    from openforge.rollout.runner import RolloutError, check_proxy, check_sandbox
     from openforge.rollout.spec import CLIENT_TOKEN_ENV
     from openforge.taskforge import cost
-    from openforge.taskforge.synth import Model, Synth, SynthError, write_tasks
+    from openforge.taskforge.synth import Model, Synth, SynthError, check_inputs, write_tasks
 
     text = _about(about).strip()
-    if not text:
-        fail("--about is empty: say what the tasks are about")
     sandbox = "none" if no_sandbox else "bwrap"
     token = os.environ.get(CLIENT_TOKEN_ENV)
     try:
+        check_inputs(text, proxy, token, sandbox)
         price_table = cost.read_prices(prices) if prices else None
         key = read_key(flow_key_file) if flow_key_file else None
-        check_sandbox(sandbox, "local")
-        check_proxy(proxy, token)
-    except (ValueError, RolloutError) as e:
+    except ValueError as e:  # SynthError, a price table or key file that cannot be read
         fail(str(e))
     if not out.parent.is_dir():
         fail(f"--out {out}: no directory {out.parent}")

@@ -11,6 +11,8 @@ import ast
 import re
 from dataclasses import dataclass
 
+from openforge.verifiers import syntax
+
 # operator -> what it swaps to
 BINOP_SWAP: dict[type[ast.operator], tuple[str, str]] = {
     ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "/"), ast.Div: ("/", "*"),
@@ -269,7 +271,7 @@ def sites(file: str, source: str) -> list[Mutation]:
     """Every mutation of `source`, in source order; [] for a file that does not parse. Whether a mutated
     source still parses is left to `parses` (one parse per candidate tried, not per site found)."""
     try:
-        tree = ast.parse(source)
+        tree = syntax.parse(source)
     except (SyntaxError, ValueError):
         return []
     visitor = _Sites(file, source)
@@ -279,8 +281,9 @@ def sites(file: str, source: str) -> list[Mutation]:
 
 
 def parses(source: str) -> bool:
+    """Whether `source` is valid Python (from mutate's worker threads too: `syntax.parse`)."""
     try:
-        ast.parse(source)
+        syntax.parse(source)
     except (SyntaxError, ValueError):
         return False
     return True

@@ -38,6 +38,21 @@ class SynthError(ValueError):
     """The run cannot go on (proxy unreachable, no usable proposals); one line for the user."""
 
 
+def check_inputs(about: str, proxy: str, client_token: str | None, sandbox: str) -> None:
+    """SynthError for what a run could only fail on after it started: nothing to be about, a sandbox that
+    cannot run here, a proxy that does not answer the client token. `Synth.synthesize` calls it; the CLI calls
+    it first, before its progress bar."""
+    from openforge.rollout.runner import RolloutError, check_proxy, check_sandbox
+
+    if not about.strip():
+        raise SynthError("--about is empty: say what the tasks are about")
+    try:
+        check_sandbox(sandbox, "local")
+        check_proxy(proxy, client_token)
+    except RolloutError as e:
+        raise SynthError(str(e)) from None
+
+
 @dataclass(frozen=True)
 class Problem:
     """Why a candidate is not (yet) a task: `reason` is the class counted in the summary."""
@@ -264,7 +279,9 @@ class Synth:
 
     # -- the run -------------------------------------------------------------------------------------------
     def synthesize(self, on_proposed: Callable[[int], None] = lambda n: None) -> Outcome:
-        """Propose, then build every candidate; the cost is `account`'s to fill in."""
+        """Check the inputs (`check_inputs`), propose, then build every candidate; the cost is `account`'s to
+        fill in."""
+        check_inputs(self.about, self.proxy, self.client_token, self.sandbox)
         started = time.monotonic()
         candidates = self.propose()
         outcome = Outcome(self.run_id, len(candidates))

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from openforge.choices import VerifierReward
+from openforge.verifiers import syntax
 
 REWARDS = tuple(VerifierReward)
 TEST_FILES = ("test_*.py", "*_test.py")  # pytest's default python_files
@@ -57,7 +58,7 @@ def _is_unittest(cls: ast.ClassDef) -> bool:
 def defined_tests(path: str, source: str) -> list[str]:
     """The ids of the tests `source` (the file at `path`) defines, as above; ValueError when it does not parse."""
     try:
-        tree = ast.parse(source, path)
+        tree = syntax.parse(source, path)
     except SyntaxError as e:
         raise ValueError(f"{path} does not parse: {e.msg} (line {e.lineno})") from None
     if _marked_skipping(_pytestmark(tree.body)):

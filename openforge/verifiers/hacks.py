@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from openforge.verifiers import syntax
+
 # Appended to the code under test: each runs when the test process imports it.
 EXIT_AT_IMPORT = """
 import os as _openforge_os
@@ -192,7 +194,7 @@ def _tests(workspace: Path, editable: Sequence[str]) -> dict[Path, str]:
             continue
         path = workspace / rel
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            tree = syntax.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         emptied = False

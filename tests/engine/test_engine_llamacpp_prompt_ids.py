@@ -99,8 +99,12 @@ def test_proxy_records_the_engines_prompt_ids(start_proxy: Any, engine: Embedded
             assert len(ids) == json.loads(rec["response"]["body"])["usage"]["prompt_tokens"]
     calls = calls_table(flow_dir, tmp_path)
     assert len(calls) == CALLS
-    drifted = [(episode, check, source) for episode, check, source, _ in calls if check != "engine"]
+    # a completion llama.cpp merged (a character split over tokens: the emoji, CJK) has no ids of its own and
+    # is rendered, with its prompt, which must then be the engine's prompt
+    drifted = [(episode, check, source) for episode, check, source, _ in calls
+               if (check, source) not in {("engine", "engine"), ("match", "retokenized")}]
     assert not drifted, drifted
+    assert sum(check == "engine" for _, check, _, _ in calls) > CALLS // 2, calls
 
 
 def test_rendered_prompts_match_the_engines_without_its_ids(start_proxy: Any, engine: EmbeddedEngine,
