@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
@@ -395,16 +395,19 @@ class Checker:
 
 
 @contextmanager
-def _task_root(work_root: Path | None, task_id: str) -> Iterator[Path]:
-    """`work_root/<task id>` (emptied first, kept after), or a temporary directory removed after."""
-    if work_root is None:
-        with tempfile.TemporaryDirectory(prefix=f"openforge-check-{task_id}-") as tmp:
-            yield Path(tmp)
-        return
-    root = Path(work_root) / task_id
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    yield root
+def _task_root(work_root: Path | None, task_id: str, sandbox: str) -> Iterator[Path]:
+    """`work_root/<task id>` (emptied first, kept after), or a temporary directory removed after; under `uid`
+    open to pass through, so the unprivileged uid reaches the workspaces it is given."""
+    with ExitStack() as stack:
+        if work_root is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"openforge-check-{task_id}-")))
+        else:
+            root = Path(work_root) / task_id
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir(parents=True)
+        if sandbox == Sandbox.uid:
+            root.chmod(0o711)
+        yield root
 
 
 def check_task(task: Task, *, noop_max: float = 0.0, sandbox: str = "bwrap",
@@ -414,18 +417,14 @@ def check_task(task: Task, *, noop_max: float = 0.0, sandbox: str = "bwrap",
     `work_root/<task id>/` (otherwise a temporary directory, removed)."""
     if why := sandboxes.unavailable(sandbox):
         raise ValueError(why)
-    with _task_root(work_root, task.id) as root:
-        if sandbox == Sandbox.uid:
-            root.chmod(0o711)  # the unprivileged uid passes through to the workspaces it is given
+    with _task_root(work_root, task.id, sandbox) as root:
         return Checker(task, noop_max, sandbox, root, dict(os.environ)).run()
 
 
 def verify_untouched(task: Task, *, sandbox: str = "bwrap") -> Verdict:
     """The task's verifier once on its untouched workspace (files written, setup run), confined per `sandbox`:
     what `tasks mutate` asks of the unmutated repository before it tries any mutant."""
-    with _task_root(None, task.id) as root:
-        if sandbox == Sandbox.uid:
-            root.chmod(0o711)
+    with _task_root(None, task.id, sandbox) as root:
         untouched = Workspace(Checker(task, 0.0, sandbox, root, dict(os.environ)), "untouched")
         if why := untouched.build():
             return Verdict(None, why)
